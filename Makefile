@@ -1,0 +1,34 @@
+# make demo: install if needed, then train the tiny default end to end.
+# make test: install if needed, then the test suite.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build of torch when this machine has it on disk; a GPU user sets TORCH=torch==2.14.1.
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test target clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
+	# speculators without its torchvision/torchaudio pins (see pyproject.toml)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "speculators==0.9.0"
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+		dflash_train/train.py \
+		--recipe recipes/tiny.yaml output_dir=runs/demo overwrite=true
+
+test: install
+	$(PY) -m pytest
+
+# Regenerate the bundled tiny target and data (about 15 minutes on 2 CPU cores).
+target: install
+	$(PY) data/make_tiny_target.py
+
+clean:
+	rm -rf runs .pytest_cache

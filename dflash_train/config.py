@@ -1,0 +1,141 @@
+"""The recipe schema: typed, strict, one YAML file plus dotted `key=value` overrides.
+
+    accelerate launch dflash_train/train.py --recipe recipes/tiny.yaml train.lr=1e-3 max_steps=50
+
+Unknown keys, wrong types and out-of-range values stop with one line naming the key.
+Each YAML in recipes/ maps onto these classes key for key.
+"""
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dflash_train.errors import UserError
+
+DEFAULT_RECIPE = "recipes/tiny.yaml"
+
+
+class Section(BaseModel):
+    # extra="forbid": a misspelt key is an error, never silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    target: str = "data/tiny-target"  # local folder or Hub id of the frozen target
+    target_revision: str | None = None  # Hub revision (branch, tag or commit) of the target
+    trust_remote_code: bool = False  # only for targets that need custom code
+    num_layers: int = Field(2, ge=1)  # drafter decoder layers
+    block_size: int = Field(8, ge=2)  # B: the bonus token plus B-1 drafted tokens
+    # Tapped target decoder layers (z-lab convention, read as hidden_states[k+1]);
+    # null = DFlash's default rule, one tap per drafter layer spread over layers 1..N-3.
+    target_layer_ids: list[int] | None = None
+    mask_token: str = "<|MASK|>"  # must be a single token of the target's tokenizer
+
+
+class DataConfig(Section):
+    train: str = "data/tiny/train.jsonl"  # jsonl with an OpenAI-style `messages` list per line
+    val: str = "data/tiny/val.jsonl"
+    max_length: int = Field(256, ge=8)  # tokens per conversation (longer ones are truncated)
+    num_anchors: int = Field(32, ge=1)  # random anchors (blocks) per sequence per step
+
+
+class LossConfig(Section):
+    ce_weight: float = Field(1.0, ge=0)  # cross-entropy to the target's (or the data's) tokens
+    kl_weight: float = Field(0.0, ge=0)  # KL(target || drafter) on the full distributions
+    ce_labels: Literal["target", "data"] = "target"  # target = the target's greedy tokens
+    gamma: float = Field(4.0, gt=0)  # block position k weighs exp(-(k-1)/gamma); 7 for B=16
+
+    @model_validator(mode="after")
+    def _some_loss(self):
+        if self.ce_weight == 0 and self.kl_weight == 0:
+            raise ValueError("ce_weight and kl_weight are both 0: nothing to train on")
+        return self
+
+
+class TrainConfig(Section):
+    batch_size: int = Field(16, ge=1)  # sequences per process per micro-step
+    grad_accum: int = Field(1, ge=1)  # micro-steps per optimizer step
+    lr: float = Field(6e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    warmup_ratio: float = Field(0.04, ge=0, lt=1)  # of max_steps, then cosine to 0
+    clip_grad: float = Field(1.0, gt=0)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 where the GPU has it, else fp32
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)  # validate every N steps (0: only at the end)
+    num_anchors: int = Field(64, ge=1)  # anchors per held-out sequence
+    max_samples: int | None = Field(None, ge=1)  # cap on held-out conversations
+
+
+class WandbConfig(Section):
+    enabled: bool = False
+    project: str = "dflash-train"
+    mode: Literal["online", "offline"] = "offline"
+    run_name: str | None = None
+
+
+class RunConfig(Section):
+    output_dir: str = "runs/tiny"
+    max_steps: int = Field(200, ge=1)  # optimizer steps
+    checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints (0: none besides final/)
+    seed: int = 0
+    log_every: int = Field(10, ge=1)  # steps between progress-bar refreshes of the live metrics
+    overwrite: bool = False  # replace a non-empty output_dir
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    loss: LossConfig = LossConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    wandb: WandbConfig = WandbConfig()
+
+
+def _format_error(e: ValidationError) -> str:
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return f"unknown key '{key}'"
+    where = f"'{key}': " if key else ""
+    return f"{where}{err['msg']} (got {err['input']!r})"
+
+
+def apply_override(tree: dict, override: str) -> None:
+    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (3 -> int, [1, 2] -> list)."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise UserError(f"override '{override}' is not of the form key=value (e.g. train.lr=1e-4)")
+    parts = key.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"override '{override}': '{part}' is not a section")
+    try:
+        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
+    except yaml.YAMLError:
+        node[parts[-1]] = raw
+
+
+def load_recipe(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
+    path = Path(path or DEFAULT_RECIPE)
+    if not path.is_file():
+        raise UserError(f"recipe '{path}' not found")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise UserError(f"recipe '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
+    if not isinstance(tree, dict):
+        raise UserError(f"recipe '{path}' must be a mapping of keys to values")
+    for override in overrides:
+        apply_override(tree, override)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise UserError(f"recipe '{path}': {_format_error(e)}") from e
+
+
+def dump_recipe(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,89 @@
+"""The frozen target: loading it safely, choosing tap layers and reading the taps.
+
+Index convention (z-lab DFlash, see shared/reference/dflash.md): tap layer k is the raw
+output of decoder layer k, which is `output_hidden_states[k + 1]` in transformers
+(index 0 is the embedding output). The last entry of `output_hidden_states` is the
+final-normed state in transformers, not a raw layer output, so the last decoder layer
+cannot be tapped (the Speculators format cannot carry it either).
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from dflash_train.errors import UserError
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash's default taps: one per drafter layer, evenly spaced over decoder layers 1..N-3.
+    Qwen3-8B (36 layers) with 5 drafter layers -> [1, 9, 17, 25, 33]."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def check_tap_layers(layer_ids: list[int], num_target_layers: int) -> None:
+    if not layer_ids:
+        raise UserError("model.target_layer_ids is empty: the drafter needs at least one tap")
+    if len(set(layer_ids)) != len(layer_ids):
+        raise UserError(f"model.target_layer_ids {layer_ids} has duplicates (the target has "
+                        f"{num_target_layers} layers; use more layers or give distinct taps)")
+    bad = [k for k in layer_ids if not 0 <= k <= num_target_layers - 2]
+    if bad:
+        raise UserError(f"model.target_layer_ids {bad} out of range: taps must be decoder layers "
+                        f"0..{num_target_layers - 2} of this {num_target_layers}-layer target "
+                        "(the last layer cannot be tapped)")
+
+
+@dataclass
+class Target:
+    model: nn.Module  # a transformers *ForCausalLM, eval mode, no grads
+    tokenizer: PreTrainedTokenizerBase
+    name_or_path: str
+    revision: str | None
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.model.get_output_embeddings()
+
+
+def load_target(name_or_path: str, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu", trust_remote_code: bool = False) -> Target:
+    """Load a causal LM and its tokenizer, safetensors only, frozen."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision,
+                                                  trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            name_or_path, revision=revision, dtype=dtype, use_safetensors=True,
+            trust_remote_code=trust_remote_code, attn_implementation="sdpa")
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"cannot load target '{name_or_path}': {first}") from e
+    model.to(device).eval().requires_grad_(False)
+    return Target(model, tokenizer, name_or_path, revision)
+
+
+def taps_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
+    """Concatenate decoder-layer outputs k (= hidden_states[k + 1]) -> [b, t, n*H]."""
+    return torch.cat([hidden_states[k + 1] for k in layer_ids], dim=-1)
+
+
+@torch.no_grad()
+def target_forward(target: Target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the target trunk once. Returns taps [b, t, n*H] and the final-normed last
+    hidden state [b, t, H]; apply `target.lm_head` only where logits are needed."""
+    out = target.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                     output_hidden_states=True, use_cache=False)
+    return taps_from_hidden_states(out.hidden_states, layer_ids), out.last_hidden_state

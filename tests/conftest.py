@@ -1,0 +1,69 @@
+"""Shared fixtures: the bundled tiny target, tiny Qwen3/Llama targets with random weights, small data."""
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+# Tests never reach the Hub or a tracking server.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_TARGET = ROOT / "data" / "tiny-target"
+sys.path.insert(0, str(ROOT / "data"))
+import tinychat  # noqa: E402
+
+from dflash_train.target import load_target  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return load_target(str(TINY_TARGET))
+
+
+def _save_random_target(out: Path, arch: str, num_layers: int = 6) -> Path:
+    """A randomly initialised target of the given architecture with the bundled tokenizer."""
+    tok = AutoTokenizer.from_pretrained(TINY_TARGET)
+    common = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  bos_token_id=None)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(**common)) if arch == "qwen3" else LlamaForCausalLM(LlamaConfig(**common))
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def llama_target_dir(tmp_path_factory):
+    return _save_random_target(tmp_path_factory.mktemp("llama-target"), "llama")
+
+
+@pytest.fixture(scope="session")
+def qwen3_random_target_dir(tmp_path_factory):
+    return _save_random_target(tmp_path_factory.mktemp("qwen3-target"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """64 train / 16 val tinychat conversations as jsonl."""
+    d = tmp_path_factory.mktemp("data")
+    for name, n, seed in [("train", 64, 11), ("val", 16, 12)]:
+        with open(d / f"{name}.jsonl", "w") as f:
+            for conv in tinychat.conversations(n, seed):
+                f.write(json.dumps({"messages": conv}) + "\n")
+    return d
+
+
+@pytest.fixture
+def rng():
+    return random.Random(0)

@@ -1,0 +1,54 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_train.config import RunConfig, load_recipe
+from dflash_train.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(recipe):
+    assert isinstance(load_recipe(recipe), RunConfig)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["output_dir=runs/x", "max_steps=50", "seed=3",
+                                                   "train.lr=1e-4", "model.target_layer_ids=[1, 3]"])
+    assert (cfg.output_dir, cfg.max_steps, cfg.seed) == ("runs/x", 50, 3)
+    assert cfg.train.lr == 1e-4 and cfg.model.target_layer_ids == [1, 3]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lrr=1", "unknown key 'train.lrr'"),
+    ("bogus=1", "unknown key 'bogus'"),
+    ("max_steps=many", "'max_steps'"),
+    ("max_steps=0", "'max_steps'"),
+    ("loss.ce_labels=maybe", "'loss.ce_labels'"),
+    ("train=3", "'train'"),
+    ("noequals", "not of the form key=value"),
+])
+def test_recipe_errors_name_the_key(override, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_recipe(ROOT / "recipes/tiny.yaml", [override])
+    assert "\n" not in str(e.value)
+
+
+def test_missing_and_malformed_recipe(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_recipe(bad)
+
+
+def test_cli_error_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dflash_train.train", "train.lrr=1",
+                        f"output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: recipe 'recipes/tiny.yaml': unknown key 'train.lrr'"]
+    assert not (tmp_path / "out").exists()

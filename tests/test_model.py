@@ -1,0 +1,155 @@
+"""The drafter's two forwards and its attention visibility."""
+
+import pytest
+import torch
+
+from dflash_train.checkpoint import drafter_config_for
+from dflash_train.config import ModelConfig
+from dflash_train.model import ContextCache, DFlashDrafter
+from dflash_train.target import target_forward
+
+B = 8
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target):
+    torch.manual_seed(0)
+    cfg = drafter_config_for(tiny_target, ModelConfig(num_layers=2, block_size=B))
+    drafter = DFlashDrafter(cfg).eval()
+    # random (non-trivial) weights everywhere, norms included, so masks and positions matter
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    return tiny_target, drafter, cfg
+
+
+def block_logits_train(target, drafter, cfg, ids, anchors):
+    """Training forward over all anchored blocks of `ids` [1, T] -> logits [A, B, V]."""
+    taps, _ = target_forward(target, ids, torch.ones_like(ids), cfg.target_layer_ids)
+    A = anchors.shape[1]
+    block = torch.full((1, A, B), cfg.mask_token_id)
+    block[:, :, 0] = ids.gather(1, anchors)
+    hidden = drafter(target.embed(block.view(1, A * B)), taps, anchors, torch.ones_like(ids, dtype=torch.bool))
+    return target.lm_head(hidden).view(A, B, -1)
+
+
+def block_logits_cached(target, drafter, cfg, ids, anchor, chunks=2):
+    """Inference forward: context = taps of tokens < anchor, fed to the cache in pieces."""
+    taps, _ = target_forward(target, ids[:, :anchor], torch.ones_like(ids[:, :anchor]), cfg.target_layer_ids)
+    cache = ContextCache(cfg.num_hidden_layers)
+    bounds = torch.linspace(0, anchor, chunks + 1).long().tolist()
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        drafter.extend_context(cache, taps[:, lo:hi], torch.arange(lo, hi)[None])
+    assert len(cache) == anchor
+    block = torch.full((1, B), cfg.mask_token_id)
+    block[0, 0] = ids[0, anchor]
+    hidden = drafter.forward_cached(target.embed(block), torch.arange(anchor, anchor + B)[None], cache)
+    return target.lm_head(hidden)[0]
+
+
+@torch.no_grad()
+def test_training_and_cached_forward_agree(setup):
+    target, drafter, cfg = setup
+    torch.manual_seed(1)
+    ids = torch.randint(0, 1000, (1, 40))
+    anchors = torch.tensor([[3, 10, 11, 25, 31]])
+    train = block_logits_train(target, drafter, cfg, ids, anchors)
+    for j, a in enumerate(anchors[0].tolist()):
+        cached = block_logits_cached(target, drafter, cfg, ids, a, chunks=3)
+        torch.testing.assert_close(train[j], cached, rtol=1e-4, atol=1e-4)
+
+
+@torch.no_grad()
+def test_cache_crop_drops_rejected_context(setup):
+    target, drafter, cfg = setup
+    ids = torch.randint(0, 1000, (1, 30))
+    taps, _ = target_forward(target, ids, torch.ones_like(ids), cfg.target_layer_ids)
+    cache = ContextCache(cfg.num_hidden_layers)
+    drafter.extend_context(cache, taps[:, :20], torch.arange(20)[None])
+    drafter.extend_context(cache, taps[:, 20:26], torch.arange(20, 26)[None])  # 6 tokens, 4 then rejected
+    cache.crop(22)
+    fresh = ContextCache(cfg.num_hidden_layers)
+    drafter.extend_context(fresh, taps[:, :22], torch.arange(22)[None])
+    for k1, k2 in zip(cache.k, fresh.k):
+        torch.testing.assert_close(k1, k2)
+
+
+@torch.no_grad()
+def test_block_sees_exactly_its_visible_range(setup):
+    """A block anchored at a sees tokens < a through the taps and token a as its slot 0;
+    changing any later token leaves its logits unchanged, changing a visible one does not."""
+    target, drafter, cfg = setup
+    torch.manual_seed(2)
+    ids = torch.randint(0, 1000, (1, 32))
+    anchors = torch.tensor([[6, 14, 20]])
+    base = block_logits_train(target, drafter, cfg, ids, anchors)
+    a = 14
+    for pos, visible in [(a + 1, False), (a + 5, False), (31, False), (a, True), (a - 1, True), (0, True)]:
+        changed = ids.clone()
+        changed[0, pos] = (changed[0, pos] + 17) % 1000
+        new = block_logits_train(target, drafter, cfg, changed, anchors)
+        differs = not torch.allclose(new[1], base[1], atol=1e-5)
+        assert differs == visible, f"token {pos} for anchor {a}: differs={differs}"
+        if pos > 20:  # also invisible to the block at 20; visible to none before it
+            assert torch.allclose(new[2], base[2], atol=1e-5)
+
+
+@torch.no_grad()
+def test_blocks_never_see_each_other(setup):
+    """A block's logits are the same whether other blocks share the pass or not."""
+    target, drafter, cfg = setup
+    ids = torch.randint(0, 1000, (1, 36))
+    together = block_logits_train(target, drafter, cfg, ids, torch.tensor([[5, 9, 12, 20]]))
+    for j, a in enumerate([5, 9, 12, 20]):
+        alone = block_logits_train(target, drafter, cfg, ids, torch.tensor([[a]]))
+        torch.testing.assert_close(together[j], alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_drafter_state_is_only_its_own_weights(setup):
+    """Embeddings and LM head are the target's: not in the drafter's state, not trainable copies."""
+    target, drafter, cfg = setup
+    names = set(drafter.state_dict())
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    expected_top = {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    assert expected_top <= names
+    per_layer = {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+                 "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                 "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                 "self_attn.k_norm.weight"}
+    assert names == expected_top | {f"layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in per_layer}
+    target_ptrs = {p.data_ptr() for p in target.model.parameters()}
+    assert not any(p.data_ptr() in target_ptrs for p in drafter.parameters())
+    assert drafter.fc.weight.shape == (cfg.hidden_size, len(cfg.target_layer_ids) * cfg.hidden_size)
+
+
+@torch.no_grad()
+def test_block_forward_equals_speculators_layers(setup):
+    """Independent reference: speculators' own DFlash decoder layers, loaded with our weights,
+    give the same block hidden states (context = fused taps, block attends to all of it)."""
+    spec = pytest.importorskip("speculators.models.dflash.model_definitions")
+    target, drafter, cfg = setup
+    qcfg = cfg.qwen3_config()
+    qcfg._attn_implementation = "sdpa"
+    layers = torch.nn.ModuleList(spec.Qwen3DFlashDecoderLayer(qcfg, i) for i in range(cfg.num_hidden_layers))
+    layers.load_state_dict({k[len("layers."):]: v for k, v in drafter.state_dict().items() if k.startswith("layers.")})
+    layers.eval()
+
+    ids = torch.randint(0, 1000, (1, 21))
+    a = 13
+    taps, _ = target_forward(target, ids[:, :a], torch.ones_like(ids[:, :a]), cfg.target_layer_ids)
+    block = torch.full((1, B), cfg.mask_token_id)
+    block[0, 0] = ids[0, a]
+    x = target.embed(block)
+
+    ctx = drafter.hidden_norm(drafter.fc(taps))
+    positions = torch.arange(a + B)[None]  # context 0..a-1, then the block a..a+B-1
+    pos_emb = drafter.rotary_emb(x, positions)
+    h = x
+    for layer in layers:
+        h = layer(target_hidden=ctx, hidden_states=h, attention_mask=None, position_embeddings=pos_emb)
+    reference = drafter.norm(h)
+
+    cache = ContextCache(cfg.num_hidden_layers)
+    drafter.extend_context(cache, taps, torch.arange(a)[None])
+    ours = drafter.forward_cached(x, torch.arange(a, a + B)[None], cache)
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)

@@ -2,7 +2,7 @@
 
     accelerate launch dflash_train/train.py                                  # recipes/tiny.yaml
     accelerate launch dflash_train/train.py --recipe R.yaml output_dir=runs/x max_steps=50 seed=3
-    accelerate launch --num_processes 2 dflash_train/train.py ...            # DDP (gloo on CPU)
+    accelerate launch --multi_gpu --num_processes 2 dflash_train/train.py ...  # DDP (gloo on CPU)
     dflash-train ...                                                          # same entry
 
 Each step: a batch of conversations -> the target's trunk (no grad) gives the tapped
@@ -18,6 +18,7 @@ checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + r
 import argparse
 import contextlib
 import json
+import os
 import shutil
 import sys
 import time
@@ -129,7 +130,10 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = load_recipe(args.recipe, args.overrides)
     precision = choose_precision(cfg)
-    accelerator = Accelerator(mixed_precision=precision, log_with="wandb" if cfg.wandb.enabled else None)
+    # accelerate sets up multi-process gloo on CPU-only hosts (torchrun, `accelerate launch
+    # --multi_gpu`) only when told cpu=True; with one process or CUDA it picks the device itself.
+    cpu_ddp = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=cpu_ddp, mixed_precision=precision, log_with="wandb" if cfg.wandb.enabled else None)
     out = prepare_output_dir(cfg, accelerator)
     set_seed(cfg.seed)
 
@@ -178,7 +182,7 @@ def main(argv=None):
     t_start = time.time()
     for step in range(1, cfg.max_steps + 1):
         t0 = time.time()
-        loss_sum, counts = 0.0, None
+        loss_sum, step_tokens, counts = 0.0, 0, None
         for micro in range(cfg.train.grad_accum):
             batch = next(batches).to(accelerator.device)
             anchors, anchor_valid = sample_anchors(batch.loss_mask, cfg.data.num_anchors, B, anchor_gen)
@@ -193,7 +197,11 @@ def main(argv=None):
             loss_sum += loss.item() / cfg.train.grad_accum
             c = acceptance_counts(m["correct"], m["valid"])
             counts = c if counts is None else counts + c
-            tokens += int(batch.attention_mask.sum()) * accelerator.num_processes
+            step_tokens += int(batch.attention_mask.sum())
+        # One small all-reduce so the logged loss, acceptance and tokens cover every process.
+        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu()])
+        stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
+        loss_sum, tokens, counts = stats[0].item() / accelerator.num_processes, tokens + int(stats[1]), stats[2:]
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
         lr = sched.get_last_lr()[0]  # the rate this step uses
         opt.step()

@@ -67,3 +67,19 @@ def small_data(tmp_path_factory):
 @pytest.fixture
 def rng():
     return random.Random(0)
+
+
+@pytest.fixture(scope="session")
+def trained_drafter_dir(tmp_path_factory):
+    """A drafter briefly trained on the bundled target (so its guesses are often accepted)."""
+    from dflash_train.train import main
+
+    out = tmp_path_factory.mktemp("drafter") / "run"
+    main([f"output_dir={out}", "max_steps=100", "eval.every=0", "eval.max_samples=16", "checkpoint_every=0",
+          "log_every=100"])
+    return out / "final"
+
+
+def chat_prompt(tokenizer, question: str):
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]

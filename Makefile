@@ -1,4 +1,4 @@
-# make demo: install if needed, then train the tiny default end to end.
+# make demo: install if needed, then train the tiny default end to end and evaluate it.
 # make test: install if needed, then the test suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,6 +22,8 @@ demo: install
 	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 		dflash_train/train.py \
 		--recipe recipes/tiny.yaml output_dir=runs/demo overwrite=true
+	$(VENV)/bin/dflash-eval --drafter runs/demo/final --budgets 0,4,16,64,256 \
+		--output runs/demo/eval --overwrite
 
 test: install
 	$(PY) -m pytest

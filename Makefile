@@ -1,4 +1,4 @@
-# make demo: install if needed, then train the tiny default end to end and evaluate it.
+# make demo: install if needed, then train, evaluate and export the tiny default end to end.
 # make test: install if needed, then the test suite.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -24,6 +24,10 @@ demo: install
 		--recipe recipes/tiny.yaml output_dir=runs/demo overwrite=true
 	$(VENV)/bin/dflash-eval --drafter runs/demo/final --budgets 0,4,16,64,256 \
 		--output runs/demo/eval --overwrite
+	$(VENV)/bin/dflash-export --format speculators --checkpoint runs/demo/final \
+		--eval-report runs/demo/eval/report.json --output export/out/demo-speculators --overwrite
+	$(VENV)/bin/dflash-export --format dflash --checkpoint runs/demo/final \
+		--eval-report runs/demo/eval/report.json --output export/out/demo-dflash --overwrite
 
 test: install
 	$(PY) -m pytest
@@ -33,4 +37,4 @@ target: install
 	$(PY) data/make_tiny_target.py
 
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf runs export/out eval/reports .pytest_cache

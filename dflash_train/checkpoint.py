@@ -17,10 +17,14 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.config import ModelConfig
 from dflash_train.errors import UserError
+from dflash_train.formats import drafter_config_from, read_config
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.target import Target, build_target_layer_ids, check_tap_layers
 
 FORMAT = "dflash-train"
+# Tensors a Speculators checkpoint may carry that belong to the verifier, not the drafter.
+SPECULATORS_VERIFIER_KEYS = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                             "verifier_norm.weight", "d2t", "t2d"}
 
 
 def mask_token_id(target: Target, mask_token: str) -> int:
@@ -51,13 +55,30 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
     )
 
 
+def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
+    """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees."""
+    cfg = drafter_config_for(target, m)
+    if m.init_from is None:
+        return DFlashDrafter(cfg)
+    drafter, _ = load_drafter(m.init_from)
+    check_matches_target(drafter.config, target)
+    loaded = drafter.config
+    for key, field in [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
+                       ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id")]:
+        if getattr(loaded, field) != getattr(cfg, field):
+            raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
+                            f"{getattr(cfg, field)}: set model.{key} to match")
+    loaded.num_target_layers = cfg.num_target_layers
+    return drafter
+
+
 def check_matches_target(cfg: DrafterConfig, target: Target) -> None:
     """A drafter only works with a target of the same hidden size, vocabulary and depth."""
     tc = target.model.config
     for name, mine, theirs in [("hidden size", cfg.hidden_size, tc.hidden_size),
                                ("vocabulary size", cfg.vocab_size, tc.vocab_size),
                                ("layer count", cfg.num_target_layers, tc.num_hidden_layers)]:
-        if mine != theirs:
+        if mine is not None and mine != theirs:
             raise UserError(f"drafter does not match target '{target.name_or_path}': {name} {mine} vs {theirs}")
 
 
@@ -79,7 +100,8 @@ def write_atomically(out: Path, write) -> None:
 def write_drafter(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None) -> None:
     state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
     meta = {"format": FORMAT, "drafter": drafter.config.to_dict(),
-            "target": {"name_or_path": target.name_or_path, "revision": target.revision}}
+            "target": {"name_or_path": target.name_or_path, "revision": target.revision},
+            "mask_token": target.tokenizer.convert_ids_to_tokens(drafter.config.mask_token_id)}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     if recipe_yaml is not None:
@@ -90,18 +112,44 @@ def save_drafter(out: Path, drafter: DFlashDrafter, target: Target, recipe_yaml:
     write_atomically(out, lambda tmp: write_drafter(tmp, drafter, target, recipe_yaml))
 
 
+def resolve_folder(path_or_id: str | Path) -> Path:
+    """A local folder, or a Hub id fetched (safetensors and json only) into the Hub cache."""
+    path = Path(path_or_id)
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_id).count("/") != 1:
+        raise UserError(f"'{path_or_id}' is not a drafter folder")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:  # offline, missing, gated
+        raise UserError(f"'{path_or_id}' is not a local drafter folder and cannot be fetched from the Hub: "
+                        f"{type(e).__name__}") from e
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(folder / shard).items()}
+    if not (folder / "model.safetensors").is_file():
+        raise UserError(f"'{folder}' is not a drafter folder (no model.safetensors)")
+    return load_file(folder / "model.safetensors")
+
+
 def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
-    """Load a drafter folder; every weight name and shape must match its config."""
-    path = Path(path)
-    cfg_file, weights = path / "config.json", path / "model.safetensors"
-    if not cfg_file.is_file() or not weights.is_file():
-        raise UserError(f"'{path}' is not a drafter folder (needs config.json and model.safetensors)")
-    meta = json.loads(cfg_file.read_text())
-    if meta.get("format") != FORMAT:
-        raise UserError(f"'{path}' is not a {FORMAT} drafter (config.json format: {meta.get('format')!r})")
-    drafter = DFlashDrafter(DrafterConfig(**meta["drafter"]))
-    state = load_file(weights)
+    """Load a drafter in our format, the Speculators format or the native DFlash format
+    (a folder or a Hub id). Every weight name and shape must match its config.
+    Returns the drafter and its provenance (format, target, mask token)."""
+    folder = resolve_folder(path)
+    cfg, meta = drafter_config_from(read_config(folder))
+    drafter = DFlashDrafter(cfg)
+    state = read_weights(folder)
     expected = drafter.state_dict()
+    # Speculators may also save verifier-owned tensors (embeddings, LM head): not ours to load.
+    state = {k: v for k, v in state.items() if k not in SPECULATORS_VERIFIER_KEYS}
     missing, extra = expected.keys() - state.keys(), state.keys() - expected.keys()
     if missing or extra:
         raise UserError(f"'{path}' weights do not match its config: missing {sorted(missing)[:3]}, "
@@ -109,7 +157,7 @@ def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
     for k, v in state.items():
         if v.shape != expected[k].shape:
             raise UserError(f"'{path}' weight {k} has shape {tuple(v.shape)}, config says {tuple(expected[k].shape)}")
-    drafter.load_state_dict(state)
+    drafter.load_state_dict({k: v.float() for k, v in state.items()})
     return drafter, meta
 
 

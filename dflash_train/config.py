@@ -32,6 +32,9 @@ class ModelConfig(Section):
     # null = DFlash's default rule, one tap per drafter layer spread over layers 1..N-3.
     target_layer_ids: list[int] | None = None
     mask_token: str = "<|MASK|>"  # must be a single token of the target's tokenizer
+    # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
+    # Its shape must agree with the keys above.
+    init_from: str | None = None
 
 
 class DataConfig(Section):

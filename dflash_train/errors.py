@@ -1,5 +1,6 @@
 """User-facing errors: one line on stderr, exit code 2, no traceback (see cli_guard)."""
 
+import argparse
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -21,3 +22,11 @@ def cli_guard(main: Callable) -> Callable:
             sys.exit(2)
 
     return wrapped
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one `error:` line and exit code 2 (no usage dump)."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        sys.exit(2)

@@ -9,7 +9,6 @@ stage (prefill excluded), and at temperature 0 `lossless`: every chain and DDTre
 the AR greedy output token for token. Writes report.json, report.md and PNG plots to --output.
 """
 
-import argparse
 import json
 import os
 import platform
@@ -27,7 +26,7 @@ from tqdm.auto import tqdm
 from dflash_train.checkpoint import check_matches_target, load_drafter, write_atomically
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, decode
-from dflash_train.errors import UserError, cli_guard
+from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.report import advise_budget, write_report
 from dflash_train.suites import DEFAULT_SUITE, Prompt, load_suite
 from dflash_train.target import load_target
@@ -137,7 +136,7 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0])
+    p = OneLineArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0])
     p.add_argument("--drafter", required=True, help="drafter folder (from training, or an export)")
     p.add_argument("--target", default=None, help="target folder or Hub id (default: the one the drafter names)")
     p.add_argument("--target-revision", default=None)

@@ -40,7 +40,7 @@ class DrafterConfig:
     # Target decoder layers tapped, z-lab convention: layer k is read as HF
     # output_hidden_states[k + 1]. Speculators' aux_hidden_state_layer_ids are these + 1.
     target_layer_ids: list[int]
-    num_target_layers: int
+    num_target_layers: int | None  # None when imported from a checkpoint that does not record it
     rms_norm_eps: float = 1e-6
     max_position_embeddings: int = 40960
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})

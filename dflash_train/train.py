@@ -15,7 +15,6 @@ Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
 """
 
-import argparse
 import contextlib
 import json
 import os
@@ -33,12 +32,11 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.checkpoint import count_parameters, drafter_config_for, save_drafter, write_atomically, write_drafter
+from dflash_train.checkpoint import count_parameters, init_drafter, save_drafter, write_atomically, write_drafter
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import Batch, block_labels_index, collate, load_conversations, sample_anchors, stop_token_ids
-from dflash_train.errors import UserError, cli_guard
+from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss
-from dflash_train.model import DFlashDrafter
 from dflash_train.target import Target, load_target, target_forward
 
 
@@ -118,7 +116,7 @@ def choose_precision(cfg: RunConfig) -> str:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="dflash-train", description="Train a DFlash drafter.",
+    p = OneLineArgumentParser(prog="dflash-train", description="Train a DFlash drafter.",
                                 epilog="Overrides are dotted keys of the recipe, e.g. train.lr=1e-4 max_steps=50.")
     p.add_argument("--recipe", default=None, help=f"YAML recipe (default {DEFAULT_RECIPE})")
     p.add_argument("overrides", nargs="*", metavar="key=value")
@@ -141,8 +139,8 @@ def main(argv=None):
     target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
                          dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
                          trust_remote_code=cfg.model.trust_remote_code)
-    dcfg = drafter_config_for(target, cfg.model)
-    drafter = DFlashDrafter(dcfg)
+    drafter = init_drafter(target, cfg.model)
+    dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     stops = stop_token_ids(target.model, target.tokenizer)
     with accelerator.main_process_first():

@@ -48,7 +48,7 @@ def test_accelerate_launch_trains_and_writes_outputs(tmp_path, small_data):
     saved = load_file(out / "final" / "model.safetensors")
     assert set(saved) == set(drafter.state_dict())
     assert "max_steps: 24" in (out / "final" / "recipe.yaml").read_text()
-    assert meta["drafter"]["target_layer_ids"] == [1, 5]
+    assert drafter.config.target_layer_ids == [1, 5] and meta["mask_token"] == "<|MASK|>"
     ckpt = out / "checkpoints" / "step_000012"
     assert json.loads((ckpt / "trainer_state.json").read_text()) == {"step": 12}
     assert not torch.equal(load_file(ckpt / "model.safetensors")["fc.weight"], saved["fc.weight"])

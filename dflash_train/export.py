@@ -1,0 +1,314 @@
+"""`dflash-export`: write a drafter as a Speculators or native DFlash checkpoint with a model card.
+
+    dflash-export --format speculators --checkpoint runs/demo/final --output export/out/spec \\
+        --eval-report runs/demo/eval/report.json
+    dflash-export --format dflash --checkpoint D --output O --verifier Qwen/Qwen3-8B --verifier-revision SHA
+    dflash-export ... --push-to-hub me/qwen3-8b-dflash [--private] [--dry-run]
+
+--checkpoint takes any drafter folder (ours, Speculators, native DFlash) or Hub id. The verifier
+is pinned (Hub commit from the local Hub cache, --verifier-revision, or for a plain local folder
+the SHA-256 of its weights), checked against the drafter, and named in config.json and the card.
+"""
+
+import hashlib
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+from huggingface_hub import HfApi, ModelCard, ModelCardData
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoTokenizer
+
+from dflash_train.checkpoint import count_parameters, load_drafter, resolve_folder, write_atomically
+from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
+from dflash_train.target import check_tap_layers
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "export" / "model_card_template.md"
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})")
+
+
+# --- the verifier: check and pin ---------------------------------------------------------------
+
+def load_verifier(verifier: str, revision: str | None, trust_remote_code: bool):
+    try:
+        config = AutoConfig.from_pretrained(verifier, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(verifier, revision=revision, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"cannot load verifier '{verifier}': {str(e).strip().splitlines()[0]}") from e
+    return config, tokenizer
+
+
+def check_verifier(cfg, mask_token: str | None, vconfig, vtokenizer, verifier: str) -> str:
+    """The drafter must fit the verifier exactly. Returns the mask token's text."""
+    for name, mine, theirs in [("hidden size", cfg.hidden_size, vconfig.hidden_size),
+                               ("vocabulary size", cfg.vocab_size, vconfig.vocab_size),
+                               ("layer count", cfg.num_target_layers, vconfig.num_hidden_layers)]:
+        if mine is not None and mine != theirs:
+            raise UserError(f"verifier '{verifier}' does not match the drafter: {name} {theirs} vs drafter {mine}")
+    try:
+        check_tap_layers(cfg.target_layer_ids, vconfig.num_hidden_layers)
+    except UserError as e:
+        raise UserError(f"verifier '{verifier}' does not match the drafter: {e}") from None
+    token = vtokenizer.convert_ids_to_tokens(cfg.mask_token_id) if cfg.mask_token_id < len(vtokenizer) else None
+    if token is None or (mask_token is not None and token != mask_token):
+        want = mask_token or f"id {cfg.mask_token_id}"
+        raise UserError(f"verifier '{verifier}' has no mask token {want} at id {cfg.mask_token_id} "
+                        f"(found {token!r})")
+    return token
+
+
+def resolve_pin(verifier: str, revision: str | None) -> dict:
+    """How the verifier is pinned: an explicit revision, the commit of a Hub cache snapshot, or
+    (plain local folder) the SHA-256 of its safetensors files."""
+    if revision:
+        return {"name_or_path": verifier, "kind": "revision", "revision": revision}
+    local = Path(verifier)
+    if local.is_dir():
+        m = SNAPSHOT.search(str(local.resolve()))
+        if m:
+            return {"name_or_path": f"{m['org']}/{m['name']}", "kind": "hub_snapshot", "revision": m["sha"]}
+        files = sorted(local.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"cannot pin verifier '{verifier}': no safetensors weights to hash")
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None, "sha256": h.hexdigest(),
+                "files": [f.name for f in files]}
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(verifier, "config.json")
+    m = SNAPSHOT.search(str(cached)) if isinstance(cached, str) else None
+    if not m:
+        raise UserError(f"cannot pin verifier '{verifier}': not in the local Hub cache; pass --verifier-revision")
+    return {"name_or_path": verifier, "kind": "hub_snapshot", "revision": m["sha"]}
+
+
+def pin_text(pin: dict) -> str:
+    if pin["kind"] == "revision":
+        return f"revision `{pin['revision']}` (given with `--verifier-revision`)"
+    if pin["kind"] == "hub_snapshot":
+        return f"Hub commit `{pin['revision']}` (the snapshot in the local Hub cache)"
+    return (f"no Hub revision (a local folder); pinned by the SHA-256 of its weights "
+            f"({', '.join(pin['files'])}): `{pin['sha256']}`")
+
+
+# --- eval reports -> card sections -------------------------------------------------------------
+
+def read_reports(paths: list[str]) -> list[dict]:
+    reports = []
+    for p in paths:
+        try:
+            rep = json.loads(Path(p).read_text())
+            rep["results"][0]["tau"], rep["hardware"]["device"]  # noqa: B018 (the fields the card needs)
+        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+            raise UserError(f"eval report '{p}' is not a readable dflash-eval report.json") from e
+        rep["_path"] = str(p)
+        reports.append(rep)
+    return reports
+
+
+def acceptance_section(reports: list[dict]) -> str:
+    if not reports:
+        return "No acceptance was measured for this export (no `--eval-report` was given)."
+    out = []
+    for rep in reports:
+        for suite in dict.fromkeys(r["suite"] for r in rep["results"]):
+            rows = [r for r in rep["results"] if r["suite"] == suite]
+            r0 = rows[0]
+            out += [f"**{suite}** ({r0['prompts']} prompts, temperature {r0['temperature']}, "
+                    f"max {r0['max_new_tokens']} new tokens per turn; target `{rep['target']}`; "
+                    f"{rep['hardware']['device']}):", "",
+                    "| method | budget | tau (tokens per target forward) | lossless |", "|---|---:|---:|---|"]
+            for r in rows:
+                lossless = {True: "yes", False: "NO", None: "n/a"}[r["lossless"]]
+                out.append(f"| {r['method']} | {r['budget']} | {r['tau']} | {lossless} |")
+            out.append("")
+    out.append("tau counts the bonus token; `dflash` is the DFlash chain, `ddtree` a draft tree of "
+               "`budget` nodes verified in one forward, `ar` plain decoding. Values are copied from "
+               "the eval reports (`eval_reports/` in this repository).")
+    return "\n".join(out)
+
+
+def validated_on_section(reports: list[dict]) -> str:
+    if not reports:
+        return "Not validated: no eval report was given. Not validated on a GPU."
+    seen = {}
+    for rep in reports:
+        hw = rep["hardware"]
+        line = f"- {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
+        if hw.get("cuda"):
+            line += f", CUDA {hw['cuda']}, driver {hw.get('driver')}"
+        seen.setdefault(line, hw["device_type"])
+    text = "\n".join(seen)
+    if "cuda" not in seen.values():
+        text += "\n\nNot validated on a GPU."
+    return text
+
+
+def budget_section(reports: list[dict]) -> str:
+    lines = []
+    for rep in reports:
+        for suite, adv in rep.get("advice", {}).items():
+            if "best_budget" in adv:
+                lines.append(f"- {suite}: DDTree budget **{adv['best_budget']}** (predicted "
+                             f"{adv['best_predicted_speedup']}x over plain decoding on {rep['hardware']['device']})")
+            if "device" in adv:
+                d = adv["device"]
+                lines.append(f"- {suite} on {d['name']}: budget **{d['best_budget']}** (predicted "
+                             f"{d['best_predicted_speedup']}x, from that device's measured verify costs)")
+    if not lines:
+        return "No recommended tree budget (no eval report was given)."
+    return "Recommended tree budget for DDTree decoding (dflash-eval's prediction):\n\n" + "\n".join(lines)
+
+
+def training_section(recipe_text: str | None, fmt: str) -> str:
+    if recipe_text is None:
+        return f"Training recipe not recorded (this drafter was imported from a {fmt} checkpoint)."
+    r = yaml.safe_load(recipe_text)
+    m, d, t, loss = r["model"], r["data"], r["train"], r["loss"]
+    return "\n".join([
+        f"Trained with dflash-train against `{m['target']}` for **{r['max_steps']} steps** "
+        f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
+        f"{t['warmup_ratio']} warmup, clip {t['clip_grad']}), {d['num_anchors']} anchors per sequence, "
+        f"loss CE {loss['ce_weight']} / KL {loss['kl_weight']} with gamma {loss['gamma']}.",
+        f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
+        "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml", recipe_text.strip(),
+        "```", "", "</details>"])
+
+
+def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
+               reports: list[dict], source_format: str, serve_ref: str, license_id: str) -> ModelCard:
+    hub_verifier = pin["name_or_path"] if HUB_ID.match(pin["name_or_path"] or "") and not Path(
+        pin["name_or_path"]).exists() else None
+    datasets = []
+    if recipe_text:
+        d = yaml.safe_load(recipe_text)["data"]
+        datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
+    card_data = ModelCardData(base_model=hub_verifier, library_name="speculators" if fmt == SPECULATORS else "vllm",
+                              tags=["speculators", "speculative-decoding", "dflash", "ddtree"],
+                              license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
+    if fmt == SPECULATORS:
+        vllm = f"vllm serve {serve_ref}"
+    else:
+        spec = json.dumps({"method": "dflash", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        vllm = f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'"
+    extra = "" if pin["kind"] != "content_sha256" else (
+        "- The verifier is a local folder with no Hub revision; publish it or re-export with "
+        "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
+    return ModelCard.from_template(
+        card_data, template_path=str(TEMPLATE), title=f"DFlash drafter for {verifier}",
+        verifier=verifier,
+        verifier_md=f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier else f"`{verifier}`",
+        format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
+        block_size=cfg.block_size, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+        taps=cfg.target_layer_ids, aux_ids=[k + 1 for k in cfg.target_layer_ids], mask_token=f"`{mask_token}`",
+        mask_token_id=cfg.mask_token_id, params=f"{params:,}", training=training_section(recipe_text, source_format),
+        acceptance=acceptance_section(reports), validated_on=validated_on_section(reports),
+        vllm_command=vllm, budget_text=budget_section(reports), extra_limitations=extra)
+
+
+# --- writing -----------------------------------------------------------------------------------
+
+def write_export(tmp: Path, fmt: str, drafter, cfg, pin, vconfig, mask_token, card, recipe_text, reports) -> None:
+    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+    if fmt == SPECULATORS:
+        # Same names as speculators saves DFlash: no embed_tokens, lm_head or verifier_* tensors.
+        speculators_config(cfg, pin["name_or_path"], list(vconfig.architectures or []), pin,
+                           mask_token).save_pretrained(str(tmp))
+    else:
+        (tmp / "config.json").write_text(json.dumps(native_config(cfg, pin, mask_token), indent=2) + "\n")
+    save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+    card.save(tmp / "README.md")
+    if recipe_text is not None:
+        (tmp / "training_recipe.yaml").write_text(recipe_text)
+    if reports:
+        (tmp / "eval_reports").mkdir()
+        for i, rep in enumerate(reports):
+            clean = {k: v for k, v in rep.items() if k != "_path"}
+            (tmp / "eval_reports" / f"report_{i}.json").write_text(json.dumps(clean, indent=2) + "\n")
+
+
+def push(out: Path, repo: str, private: bool, dry_run: bool) -> None:
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    if dry_run:
+        print(f"dry run: would create {'private' if private else 'public'} model repo '{repo}' and upload "
+              f"{len(files)} files:")
+        for p in files:
+            print(f"  {p.relative_to(out)}  ({p.stat().st_size:,} bytes)")
+        return
+    api = HfApi()  # token from HF_TOKEN or the cached login; never printed
+    try:
+        api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
+        info = api.upload_folder(folder_path=str(out), repo_id=repo, repo_type="model",
+                                 commit_message="Upload DFlash drafter (dflash-export)")
+    except Exception as e:  # auth, network, permissions: one line, no token
+        raise UserError(f"push to '{repo}' failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}") from e
+    print(f"pushed to https://huggingface.co/{repo} ({info.oid if hasattr(info, 'oid') else 'done'})")
+
+
+def parse_args(argv):
+    p = OneLineArgumentParser(prog="dflash-export", description=__doc__.splitlines()[0])
+    p.add_argument("--format", required=True, help="speculators or dflash")
+    p.add_argument("--checkpoint", required=True, help="drafter folder or Hub id (any supported format)")
+    p.add_argument("--output", required=True)
+    p.add_argument("--verifier", default=None, help="verifier Hub id or folder (default: the drafter's target)")
+    p.add_argument("--verifier-revision", default=None, help="Hub commit/tag of the verifier to pin")
+    p.add_argument("--eval-report", action="append", default=[], help="dflash-eval report.json (repeatable)")
+    p.add_argument("--license", default="other", help="license id for the card (default: other)")
+    p.add_argument("--push-to-hub", default=None, metavar="REPO")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list what would be uploaded")
+    p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--trust-remote-code", action="store_true")
+    args = p.parse_args(argv)
+    if args.format not in (SPECULATORS, NATIVE):
+        p.error(f"unknown --format '{args.format}' (choose speculators or dflash)")
+    if (args.private or args.dry_run) and not args.push_to_hub:
+        p.error("--private and --dry-run go with --push-to-hub")
+    return args
+
+
+@cli_guard
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.output)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        raise UserError(f"--output '{out}' is not empty (pass --overwrite to replace it)")
+    drafter, meta = load_drafter(args.checkpoint)
+    cfg = drafter.config
+    reports = read_reports(args.eval_report)
+    verifier = args.verifier or (meta.get("target") or {}).get("name_or_path")
+    if not verifier:
+        raise UserError("the checkpoint does not name its verifier: pass --verifier")
+    revision = args.verifier_revision or (None if args.verifier else (meta.get("target") or {}).get("revision"))
+    vconfig, vtokenizer = load_verifier(verifier, revision, args.trust_remote_code)
+    mask_token = check_verifier(cfg, meta.get("mask_token"), vconfig, vtokenizer, verifier)
+    if cfg.num_target_layers is None:  # imported without it: the verifier says
+        cfg.num_target_layers = vconfig.num_hidden_layers
+    pin = resolve_pin(verifier, revision)
+    folder = resolve_folder(args.checkpoint)
+    recipe_file = folder / "recipe.yaml"
+    recipe_text = recipe_file.read_text() if recipe_file.is_file() else None
+    card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
+                      meta["format"], args.push_to_hub or str(out), args.license)
+
+    if out.exists() and args.overwrite:
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    write_atomically(out, lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
+                                                   recipe_text, reports))
+    print(f"exported {args.format} drafter to {out} (verifier {verifier}, {pin_text(pin)})")
+    if args.push_to_hub:
+        push(out, args.push_to_hub, args.private, args.dry_run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Drafter checkpoint formats: ours, Speculators (`vllm serve <dir>`) and native DFlash (z-lab,
+vLLM `method: dflash`). All three store the same tensors under the same names
+(fc, hidden_norm, layers.N.*, norm); only config.json differs.
+
+Layer ids: ours and native DFlash store z-lab `target_layer_ids` (tap k = decoder layer k =
+transformers hidden_states[k+1]); Speculators stores `aux_hidden_state_layer_ids` = those + 1.
+"""
+
+import json
+from pathlib import Path
+
+from dflash_train.errors import UserError
+from dflash_train.model import DrafterConfig
+
+OURS, SPECULATORS, NATIVE = "dflash-train", "speculators", "dflash"
+
+# DrafterConfig fields that are plain Qwen3 config fields of the drafter's layers
+QWEN3_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                "rope_parameters", "attention_bias")
+
+
+def detect_format(config: dict) -> str:
+    if config.get("format") == OURS:
+        return OURS
+    if config.get("speculators_model_type") == "dflash":
+        return SPECULATORS
+    if "DFlashDraftModel" in (config.get("architectures") or []) and "dflash_config" in config:
+        return NATIVE
+    raise UserError("config.json is not a DFlash drafter in any known format "
+                    "(dflash-train, speculators 'dflash', or native DFlashDraftModel)")
+
+
+def _qwen3(fields: dict) -> dict:
+    out = {k: fields[k] for k in QWEN3_FIELDS if k in fields}
+    if "rope_parameters" not in out and "rope_theta" in fields:  # configs written before transformers 5
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": fields["rope_theta"]}
+    out.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    return out
+
+
+def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
+    """config.json of any format -> (DrafterConfig, provenance: target, recipe, pin, format)."""
+    fmt = detect_format(config)
+    try:
+        if fmt == OURS:
+            return DrafterConfig(**config["drafter"]), {"format": fmt, **{k: config.get(k) for k in ("target", "mask_token")}}
+        if fmt == SPECULATORS:
+            tl = config["transformer_layer_config"]
+            extra = config.get("dflash_train", {})
+            cfg = DrafterConfig(**_qwen3(tl), block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+                                target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
+                                num_target_layers=extra.get("num_target_layers"))
+            verifier = config.get("speculators_config", {}).get("verifier", {})
+            return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
+                                                   "revision": (config.get("verifier_pin") or {}).get("revision")},
+                         "mask_token": extra.get("mask_token")}
+        dflash = config["dflash_config"]
+        block = config.get("block_size") or dflash["block_size"]
+        cfg = DrafterConfig(**_qwen3(config), block_size=block, mask_token_id=dflash["mask_token_id"],
+                            target_layer_ids=list(dflash["target_layer_ids"]),
+                            num_target_layers=config.get("num_target_layers"))
+        pin = config.get("verifier_pin") or {}
+        return cfg, {"format": fmt, "target": {"name_or_path": pin.get("name_or_path"), "revision": pin.get("revision")},
+                     "mask_token": (config.get("dflash_train") or {}).get("mask_token")}
+    except (KeyError, TypeError) as e:
+        raise UserError(f"{fmt} config.json is missing or has a malformed field: {e}") from e
+
+
+def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures: list[str], pin: dict,
+                       mask_token: str | None):
+    """The Speculators config, built with speculators' own classes (what vLLM reads)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    return DFlashSpeculatorConfig(
+        transformer_layer_config=cfg.qwen3_config(),
+        draft_vocab_size=cfg.vocab_size,  # full vocabulary: no lm_head / d2t / t2d are saved
+        block_size=cfg.block_size,
+        target_hidden_size=cfg.hidden_size,
+        aux_hidden_state_layer_ids=[k + 1 for k in cfg.target_layer_ids],
+        mask_token_id=cfg.mask_token_id,
+        sample_from_anchor=False,  # block slot 0 is the bonus token: B-1 speculative tokens
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.block_size - 1)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=verifier, architectures=verifier_architectures),
+        ),
+        # speculators' VerifierConfig has no revision field: the pin rides along as extra keys
+        verifier_pin=pin,
+        dflash_train={"num_target_layers": cfg.num_target_layers, "mask_token": mask_token},
+    )
+
+
+def native_config(cfg: DrafterConfig, pin: dict, mask_token: str | None) -> dict:
+    """The z-lab DFlash config.json: Qwen3 fields of the drafter + block_size + dflash_config.
+    No auto_map: we do not ship z-lab's modelling code (vLLM reads `architectures`)."""
+    qwen3 = cfg.qwen3_config()
+    # the fields that differ from Qwen3's defaults, plus the shape fields written out explicitly
+    q = {**qwen3.to_diff_dict(), **{k: getattr(qwen3, k) for k in QWEN3_FIELDS}, "hidden_act": qwen3.hidden_act}
+    for k in ("architectures", "auto_map", "transformers_version", "dtype", "torch_dtype"):
+        q.pop(k, None)
+    return {"architectures": ["DFlashDraftModel"], **q, "model_type": "qwen3", "block_size": cfg.block_size,
+            "num_target_layers": cfg.num_target_layers, "tie_word_embeddings": False,
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+            "verifier_pin": pin, "dflash_train": {"mask_token": mask_token}}
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"'{folder}' is not a drafter folder (no readable config.json)") from e

@@ -1,0 +1,245 @@
+"""dflash-export: Speculators and native DFlash checkpoints, checked with speculators' own loader
+and converter; model cards; verifier pins; import round trips; refusals."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import ModelCard
+from safetensors.torch import load_file
+
+from conftest import TINY_TARGET
+from dflash_train.checkpoint import load_drafter
+from dflash_train.export import main
+from dflash_train.model import ContextCache
+from dflash_train.target import target_forward
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_report(device_type="cpu", device="Some CPU", tau64=5.1234):
+    rows = [{"suite": "tinychat", "method": m, "budget": b, "temperature": 0.0, "max_new_tokens": 64, "prompts": 8,
+             "tau": t, "lossless": True} for m, b, t in [("ar", 0, 1.0), ("dflash", 7, 3.4567), ("ddtree", 64, tau64)]]
+    hw = {"device": device, "device_type": device_type, "torch": "2.x"}
+    if device_type == "cuda":
+        hw.update(cuda="12.8", driver="570.1")
+    return {"target": "data/tiny-target", "hardware": hw, "results": rows,
+            "advice": {"tinychat": {"best_budget": 64, "best_predicted_speedup": 1.9}}}
+
+
+@pytest.fixture(scope="module")
+def exports(trained_drafter_dir, tmp_path_factory):
+    base = tmp_path_factory.mktemp("export")
+    report = base / "report.json"
+    report.write_text(json.dumps(fake_report()))
+    for fmt in ["speculators", "dflash"]:
+        main(["--format", fmt, "--checkpoint", str(trained_drafter_dir), "--output", str(base / fmt),
+              "--eval-report", str(report)])
+    return base
+
+
+@torch.no_grad()
+def test_speculators_loader_gives_the_same_draft_logits(exports, trained_drafter_dir, tiny_target):
+    from speculators import SpeculatorModel
+
+    spec = SpeculatorModel.from_pretrained(str(exports / "speculators"), verifier=str(TINY_TARGET)).eval()
+    spec.config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention is for training on GPU
+    ours, _ = load_drafter(trained_drafter_dir)
+    ours.eval()
+    assert spec.config.aux_hidden_state_layer_ids == [k + 1 for k in ours.config.target_layer_ids]
+    assert spec.config.speculators_config.proposal_methods[0].speculative_tokens == ours.config.block_size - 1
+    torch.testing.assert_close(spec.lm_head.weight, tiny_target.lm_head.weight)
+
+    ids = torch.randint(0, 1000, (1, 19))
+    a, B = 11, ours.config.block_size
+    # speculators indexes hidden_states by its own aux ids directly (no +1)
+    out = tiny_target.model.get_decoder()(input_ids=ids[:, :a], output_hidden_states=True)
+    spec_taps = torch.cat([out.hidden_states[i] for i in spec.config.aux_hidden_state_layer_ids], -1)
+    block = torch.full((1, B), spec.config.mask_token_id)
+    block[0, 0] = ids[0, a]
+    ctx = spec.hidden_norm(spec.fc(spec_taps))
+    x = spec.embed_tokens(block)
+    pos_emb = spec.rotary_emb(x, torch.arange(a + B)[None])
+    for layer in spec.layers:
+        x = layer(target_hidden=ctx, hidden_states=x, attention_mask=None, position_embeddings=pos_emb)
+    spec_logits = spec.lm_head(spec.norm(x))
+
+    taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]), ours.config.target_layer_ids)
+    cache = ContextCache(ours.config.num_hidden_layers)
+    ours.extend_context(cache, taps, torch.arange(a)[None])
+    our_logits = tiny_target.lm_head(ours.forward_cached(tiny_target.embed(block), torch.arange(a, a + B)[None], cache))
+    torch.testing.assert_close(spec_logits, our_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_native_export_converts_to_the_speculators_export(exports, tmp_path):
+    from speculators.convert.entrypoints import convert_model
+
+    convert_model(model=str(exports / "dflash"), verifier=str(TINY_TARGET), algorithm="dflash",
+                  output_path=str(tmp_path / "conv"))
+    converted, exported = load_file(tmp_path / "conv" / "model.safetensors"), load_file(
+        exports / "speculators" / "model.safetensors")
+    assert set(exported) <= set(converted)
+    for k, v in exported.items():
+        assert torch.equal(converted[k], v), k
+    c1 = json.loads((tmp_path / "conv" / "config.json").read_text())
+    c2 = json.loads((exports / "speculators" / "config.json").read_text())
+    for key in ["aux_hidden_state_layer_ids", "block_size", "mask_token_id", "draft_vocab_size"]:
+        assert c1[key] == c2[key], key
+    assert c1["speculators_config"]["proposal_methods"] == c2["speculators_config"]["proposal_methods"]
+
+
+def test_exported_weights_hold_no_verifier_tensors(exports):
+    for fmt in ["speculators", "dflash"]:
+        names = set(load_file(exports / fmt / "model.safetensors"))
+        assert not {n for n in names if "embed" in n or "lm_head" in n or "verifier" in n}
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "dflash"])
+def test_round_trip_is_exact(exports, trained_drafter_dir, fmt):
+    original, _ = load_drafter(trained_drafter_dir)
+    imported, meta = load_drafter(exports / fmt)
+    assert meta["format"] == fmt and meta["mask_token"] == "<|MASK|>"
+    assert imported.config == original.config
+    for k, v in original.state_dict().items():
+        assert torch.equal(imported.state_dict()[k], v), k
+
+
+def test_config_carries_the_pin(exports):
+    digest = hashlib.sha256()
+    digest.update(b"model.safetensors")
+    digest.update((TINY_TARGET / "model.safetensors").read_bytes())
+    spec = json.loads((exports / "speculators" / "config.json").read_text())
+    native = json.loads((exports / "dflash" / "config.json").read_text())
+    for cfg in (spec, native):
+        assert cfg["verifier_pin"]["kind"] == "content_sha256"
+        assert cfg["verifier_pin"]["sha256"] == digest.hexdigest()
+    assert native["architectures"] == ["DFlashDraftModel"] and native["dflash_config"]["target_layer_ids"] == [1, 5]
+    assert spec["speculators_model_type"] == "dflash" and spec["speculators_config"]["verifier"]["name_or_path"]
+
+
+def test_model_card(exports):
+    card = ModelCard.load(exports / "speculators" / "README.md")
+    assert set(card.data.tags) >= {"speculators", "speculative-decoding", "dflash", "ddtree"}
+    assert card.data.library_name == "speculators" and card.data.license == "other"
+    text = card.text
+    report = fake_report()
+    for r in report["results"]:
+        assert f"| {r['method']} | {r['budget']} | {r['tau']} | yes |" in text  # exact values from the report
+    assert "- Some CPU (cpu)" in text and "Not validated on a GPU." in text
+    assert "budget **64**" in text and "vllm serve" in text
+    assert "200 steps" not in text and "100 steps" in text  # from the run's own recipe
+    assert "SHA-256" in text
+
+
+def test_card_lists_gpu_hardware_exactly(trained_drafter_dir, tmp_path):
+    reports = []
+    for i, (kind, name) in enumerate([("cuda", "NVIDIA H200"), ("cpu", "Some CPU")]):
+        reports.append(tmp_path / f"r{i}.json")
+        reports[-1].write_text(json.dumps(fake_report(kind, name)))
+    main(["--format", "dflash", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "o"),
+          "--eval-report", str(reports[0]), "--eval-report", str(reports[1])])
+    text = (tmp_path / "o" / "README.md").read_text()
+    section = text.split("## Validated on")[1].split("##")[0]
+    assert section.strip().splitlines() == ["- NVIDIA H200 (cuda), torch 2.x, CUDA 12.8, driver 570.1",
+                                            "- Some CPU (cpu), torch 2.x"]
+    assert "--speculative-config" in text and '"num_speculative_tokens": 7' in text
+
+
+def test_pins_from_hub_snapshot_and_revision(trained_drafter_dir, tmp_path):
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / sha
+    shutil.copytree(TINY_TARGET, snap)
+    main(["--format", "speculators", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "a"),
+          "--verifier", str(snap)])
+    pin = json.loads((tmp_path / "a" / "config.json").read_text())["verifier_pin"]
+    assert pin == {"name_or_path": "acme/tiny", "kind": "hub_snapshot", "revision": sha}
+    card = (tmp_path / "a" / "README.md").read_text()
+    assert sha in card and "base_model: acme/tiny" in card
+    main(["--format", "dflash", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "b"),
+          "--verifier-revision", "v1.2"])
+    pin = json.loads((tmp_path / "b" / "config.json").read_text())["verifier_pin"]
+    assert pin["kind"] == "revision" and pin["revision"] == "v1.2"
+
+
+def test_dry_run_lists_exactly_the_files(trained_drafter_dir, tmp_path, capsys):
+    main(["--format", "speculators", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "o"),
+          "--push-to-hub", "me/tiny-dflash", "--private", "--dry-run"])
+    out = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(out) if line.startswith("dry run"))
+    assert "private model repo 'me/tiny-dflash'" in out[start]
+    listed = sorted(line.split()[0] for line in out[start + 1:] if line.startswith("  "))
+    on_disk = sorted(str(p.relative_to(tmp_path / "o")) for p in (tmp_path / "o").rglob("*") if p.is_file())
+    assert listed == on_disk and "model.safetensors" in listed and "README.md" in listed
+
+
+def test_eval_and_training_import_exports(exports, tmp_path, small_data):
+    from dflash_train.eval import main as eval_main
+    from dflash_train.train import main as train_main
+
+    for fmt in ["speculators", "dflash"]:
+        eval_main(["--drafter", str(exports / fmt), "--target", str(TINY_TARGET), "--limit", "2", "--budgets", "8",
+                   "--max-new-tokens", "16", "--output", str(tmp_path / f"eval_{fmt}")])
+    taus = [[r["tau"] for r in json.loads((tmp_path / f"eval_{f}" / "report.json").read_text())["results"]]
+            for f in ["speculators", "dflash"]]
+    assert taus[0] == taus[1]  # the same drafter, whichever format it travelled in
+    # training from an export: with a vanishing learning rate the weights stay the export's
+    train_main([f"output_dir={tmp_path / 'ft'}", f"model.init_from={exports / 'speculators'}", "max_steps=2",
+                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
+                "train.batch_size=4"])
+    start, end = load_drafter(exports / "speculators")[0], load_drafter(tmp_path / "ft" / "final")[0]
+    for k, v in start.state_dict().items():
+        torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "dflash_train.export", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def no_mask_target(tmp_path_factory):
+    """The tiny target with its <|MASK|> token renamed: same shapes, no mask token."""
+    d = tmp_path_factory.mktemp("nomask") / "target"
+    shutil.copytree(TINY_TARGET, d)
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        f = d / name
+        f.write_text(f.read_text().replace("<|MASK|>", "<|NOPE|>"))
+    return d
+
+
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, llama_target_dir, no_mask_target,
+                                                         tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep").write_text("x")
+    bad_report = tmp_path / "bad.json"
+    bad_report.write_text("{not json")
+    d = str(trained_drafter_dir)
+    cases = [
+        (["--format", "speculators", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "o1")],
+         "is not a drafter folder"),
+        (["--format", "speculators", "--checkpoint", d, "--verifier", str(llama_target_dir), "--output",
+          str(tmp_path / "o2")], "does not match the drafter: hidden size"),
+        (["--format", "dflash", "--checkpoint", d, "--verifier", str(no_mask_target), "--output", str(tmp_path / "o3")],
+         "has no mask token <|MASK|>"),
+        (["--format", "onnx", "--checkpoint", d, "--output", str(tmp_path / "o4")], "unknown --format 'onnx'"),
+        (["--format", "dflash", "--checkpoint", d, "--eval-report", str(bad_report), "--output", str(tmp_path / "o5")],
+         "is not a readable dflash-eval report"),
+        (["--format", "dflash", "--checkpoint", d, "--output", str(busy)], "is not empty"),
+        (["--format", "dflash", "--checkpoint", d, "--output", str(tmp_path / "o6"), "--dry-run"],
+         "go with --push-to-hub"),
+    ]
+    for args, message in cases:
+        r = run_cli(*args)
+        assert r.returncode == 2, (args, r.stderr[-1500:])
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (message, r.stderr[-1500:])
+        assert "Traceback" not in r.stderr
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
+    assert not list(tmp_path.glob(".o*.tmp-*"))
+    assert [p.name for p in busy.iterdir()] == ["keep"]

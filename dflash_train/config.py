@@ -42,6 +42,9 @@ class DataConfig(Section):
     val: str = "data/tiny/val.jsonl"
     max_length: int = Field(256, ge=8)  # tokens per conversation (longer ones are truncated)
     num_anchors: int = Field(32, ge=1)  # random anchors (blocks) per sequence per step
+    # dflash-cache folder of precomputed target states for data.train (offline mode: no target
+    # forward in the training step; validation still runs the target online).
+    hidden_state_cache: str | None = None
 
 
 class LossConfig(Section):

@@ -80,9 +80,10 @@ class Batch:
     input_ids: torch.Tensor  # [b, T] long, right-padded
     attention_mask: torch.Tensor  # [b, T] long, 0 on padding
     loss_mask: torch.Tensor  # [b, T] bool, assistant tokens
+    rows: list[int] | None = None  # dataset row of each sequence (to read an offline hidden-state cache)
 
     def to(self, device) -> "Batch":
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device))
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device), self.rows)
 
 
 def collate(rows: list[dict], pad_id: int) -> Batch:
@@ -95,7 +96,7 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
         ids[i, :n] = torch.tensor(r["input_ids"])
         attn[i, :n] = 1
         loss[i, :n] = torch.tensor(r["loss_mask"], dtype=torch.bool)
-    return Batch(ids, attn, loss)
+    return Batch(ids, attn, loss, [r["row"] for r in rows] if "row" in rows[0] else None)
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,

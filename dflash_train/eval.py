@@ -27,6 +27,7 @@ from dflash_train.checkpoint import check_matches_target, load_drafter, write_at
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.progress import BAR_INTERVAL
 from dflash_train.report import advise_budget, write_report
 from dflash_train.suites import DEFAULT_SUITE, Prompt, load_suite
 from dflash_train.target import load_target
@@ -190,7 +191,8 @@ def main(argv=None):
     B = drafter.config.block_size
 
     plan = [("ar", 0), ("dflash", B - 1)] + [("ddtree", b) for b in budgets]
-    bar = tqdm(total=len(plan) * sum(len(p) for _, p in suites), desc="eval", dynamic_ncols=True)
+    bar = tqdm(total=len(plan) * sum(len(p) for _, p in suites), desc="eval", dynamic_ncols=True,
+               mininterval=BAR_INTERVAL)
     results = []
     for name, prompts in suites:
         ar = None

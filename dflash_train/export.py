@@ -10,7 +10,6 @@ is pinned (Hub commit from the local Hub cache, --verifier-revision, or for a pl
 the SHA-256 of its weights), checked against the drafter, and named in config.json and the card.
 """
 
-import hashlib
 import json
 import re
 import shutil
@@ -25,11 +24,10 @@ from transformers import AutoConfig, AutoTokenizer
 from dflash_train.checkpoint import count_parameters, load_drafter, resolve_folder, write_atomically
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
-from dflash_train.target import check_tap_layers
+from dflash_train.target import check_tap_layers, resolve_pin
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "export" / "model_card_template.md"
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
-SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})")
 
 
 # --- the verifier: check and pin ---------------------------------------------------------------
@@ -60,36 +58,6 @@ def check_verifier(cfg, mask_token: str | None, vconfig, vtokenizer, verifier: s
         raise UserError(f"verifier '{verifier}' has no mask token {want} at id {cfg.mask_token_id} "
                         f"(found {token!r})")
     return token
-
-
-def resolve_pin(verifier: str, revision: str | None) -> dict:
-    """How the verifier is pinned: an explicit revision, the commit of a Hub cache snapshot, or
-    (plain local folder) the SHA-256 of its safetensors files."""
-    if revision:
-        return {"name_or_path": verifier, "kind": "revision", "revision": revision}
-    local = Path(verifier)
-    if local.is_dir():
-        m = SNAPSHOT.search(str(local.resolve()))
-        if m:
-            return {"name_or_path": f"{m['org']}/{m['name']}", "kind": "hub_snapshot", "revision": m["sha"]}
-        files = sorted(local.glob("*.safetensors"))
-        if not files:
-            raise UserError(f"cannot pin verifier '{verifier}': no safetensors weights to hash")
-        h = hashlib.sha256()
-        for f in files:
-            h.update(f.name.encode())
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None, "sha256": h.hexdigest(),
-                "files": [f.name for f in files]}
-    from huggingface_hub import try_to_load_from_cache
-
-    cached = try_to_load_from_cache(verifier, "config.json")
-    m = SNAPSHOT.search(str(cached)) if isinstance(cached, str) else None
-    if not m:
-        raise UserError(f"cannot pin verifier '{verifier}': not in the local Hub cache; pass --verifier-revision")
-    return {"name_or_path": verifier, "kind": "hub_snapshot", "revision": m["sha"]}
 
 
 def pin_text(pin: dict) -> str:

@@ -7,13 +7,18 @@ final-normed state in transformers, not a raw layer output, so the last decoder 
 cannot be tapped (the Speculators format cannot carry it either).
 """
 
+import hashlib
+import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from dflash_train.errors import UserError
+
+SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})")
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -87,3 +92,33 @@ def target_forward(target: Target, input_ids: torch.Tensor, attention_mask: torc
     out = target.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      output_hidden_states=True, use_cache=False)
     return taps_from_hidden_states(out.hidden_states, layer_ids), out.last_hidden_state
+
+
+def resolve_pin(verifier: str, revision: str | None) -> dict:
+    """How the verifier is pinned: an explicit revision, the commit of a Hub cache snapshot, or
+    (plain local folder) the SHA-256 of its safetensors files."""
+    if revision:
+        return {"name_or_path": verifier, "kind": "revision", "revision": revision}
+    local = Path(verifier)
+    if local.is_dir():
+        m = SNAPSHOT.search(str(local.resolve()))
+        if m:
+            return {"name_or_path": f"{m['org']}/{m['name']}", "kind": "hub_snapshot", "revision": m["sha"]}
+        files = sorted(local.glob("*.safetensors"))
+        if not files:
+            raise UserError(f"cannot pin verifier '{verifier}': no safetensors weights to hash")
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None, "sha256": h.hexdigest(),
+                "files": [f.name for f in files]}
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(verifier, "config.json")
+    m = SNAPSHOT.search(str(cached)) if isinstance(cached, str) else None
+    if not m:
+        raise UserError(f"cannot pin verifier '{verifier}': not in the local Hub cache; pass --verifier-revision")
+    return {"name_or_path": verifier, "kind": "hub_snapshot", "revision": m["sha"]}

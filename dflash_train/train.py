@@ -36,7 +36,9 @@ from dflash_train.checkpoint import count_parameters, init_drafter, save_drafter
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import Batch, block_labels_index, collate, load_conversations, sample_anchors, stop_token_ids
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.hs_cache import HiddenStateCache, open_cache
 from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss
+from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import Target, load_target, target_forward
 
 
@@ -49,13 +51,17 @@ class BlockOutputs:
 
 
 def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
-                    block_size: int, mask_id: int, ce_labels: str = "target") -> BlockOutputs:
-    """One target pass and one drafter pass over every anchored block of the batch."""
+                    block_size: int, mask_id: int, ce_labels: str = "target",
+                    cache: HiddenStateCache | None = None) -> BlockOutputs:
+    """One target pass (or a cache read) and one drafter pass over every anchored block of the batch."""
     ids = batch.input_ids
     b, T = ids.shape
     A, K = anchors.shape[1], block_size - 1
     with torch.no_grad():
-        taps, last = target_forward(target, ids, batch.attention_mask, layer_ids)
+        if cache is None:
+            taps, last = target_forward(target, ids, batch.attention_mask, layer_ids)
+        else:
+            taps, last = cache.batch(batch.rows, T, ids.device, target.embed.weight.dtype)
         block_ids = torch.full((b, A, block_size), mask_id, dtype=torch.long, device=ids.device)
         block_ids[:, :, 0] = ids.gather(1, anchors)  # slot 0: the anchor (bonus) token
         block_embeds = target.embed(block_ids.view(b, A * block_size))
@@ -146,6 +152,10 @@ def main(argv=None):
     with accelerator.main_process_first():
         train_ds = load_conversations(cfg.data.train, target.tokenizer, cfg.data.max_length, stops)
         val_ds = load_conversations(cfg.data.val, target.tokenizer, cfg.data.max_length, stops)
+    cache = None
+    if cfg.data.hidden_state_cache:
+        cache = open_cache(cfg.data.hidden_state_cache, target, layer_ids, train_ds)
+        train_ds = train_ds.add_column("row", list(range(len(train_ds))))
     if cfg.eval.max_samples:
         val_ds = val_ds.select(range(min(cfg.eval.max_samples, len(val_ds))))
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
@@ -175,7 +185,8 @@ def main(argv=None):
     metrics_file = open(out / "metrics.jsonl", "w") if accelerator.is_main_process else None
     anchor_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + accelerator.process_index)
     batches = cycle(train_dl)
-    bar = tqdm(total=cfg.max_steps, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True)
+    bar = tqdm(total=cfg.max_steps, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True,
+               mininterval=BAR_INTERVAL)
     tokens, train_time, val = 0, 0.0, None
     t_start = time.time()
     for step in range(1, cfg.max_steps + 1):
@@ -188,7 +199,7 @@ def main(argv=None):
             sync = contextlib.nullcontext() if last_micro else accelerator.no_sync(drafter)
             with sync, accelerator.autocast():
                 o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id,
-                                    cfg.loss.ce_labels)
+                                    cfg.loss.ce_labels, cache)
                 loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
                                       cfg.loss.kl_weight, o.target_logits)
                 accelerator.backward(loss / cfg.train.grad_accum)

@@ -1,0 +1,220 @@
+"""Offline hidden-state cache: the target's tapped states, computed once, read by training.
+
+    dflash-cache --data data/tiny/train.jsonl --target data/tiny-target --output data/cache/tiny
+    accelerate launch dflash_train/train.py data.hidden_state_cache=data/cache/tiny
+
+Per conversation (row) it stores the taps [T, n*H] (decoder-layer outputs, the same
+`target_forward` training runs online) and the target's final-normed last hidden state
+[T, H], from which training applies the frozen LM head for labels and KL. Rows go into
+sharded safetensors (`shard_00000.safetensors`, keys `taps.<row>`, `last.<row>`) with a
+manifest naming the target and its pin, the tap layers, dtype, token counts, the dataset's
+hash and each shard's SHA-256. Shards are written atomically, so an interrupted build
+resumes from the last complete shard. bf16 by default; fp8 (e4m3, one scale per token and
+tensor) halves that again; float32 is exact.
+"""
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from dflash_train.data import load_conversations, stop_token_ids
+from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.progress import BAR_INTERVAL
+from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin, target_forward
+
+MANIFEST, PARTIAL = "manifest.json", "manifest.partial.json"
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def dataset_hash(ds) -> str:
+    """SHA-256 over every row's token ids and loss mask: the cache belongs to exactly this data."""
+    h = hashlib.sha256()
+    for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
+        h.update(torch.tensor(ids, dtype=torch.int64).numpy().tobytes())
+        h.update(bytes(mask))
+    return h.hexdigest()
+
+
+def bytes_per_token(n_taps: int, hidden: int, dtype: str) -> int:
+    """taps + last hidden per token; fp8 adds one float32 scale per tensor per token."""
+    values = (n_taps + 1) * hidden * (1 if dtype == "fp8" else torch.finfo(DTYPES[dtype]).bits // 8)
+    return values + (2 * 4 if dtype == "fp8" else 0)
+
+
+def _encode(x: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
+    """[T, D] float -> stored tensors ({"": values} or fp8 values + per-token scale)."""
+    if dtype != "fp8":
+        return {"": x.to(DTYPES[dtype]).contiguous()}
+    scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [T, 1]
+    return {"": (x.float() / scale).to(torch.float8_e4m3fn).contiguous(), "_scale": scale.contiguous()}
+
+
+def _decode(f, key: str, dtype: str) -> torch.Tensor:
+    x = f.get_tensor(key)
+    return x.float() * f.get_tensor(key + "_scale") if dtype == "fp8" else x.float()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str = "bfloat16",
+                shard_rows: int = 256, batch_size: int = 8) -> dict:
+    """Compute and store the states of every row of `ds`; resumes from complete shards in `out`."""
+    check_tap_layers(layer_ids, target.num_layers)
+    H = target.model.config.hidden_size
+    lengths = [len(ids) for ids in ds["input_ids"]]
+    head = {"target": target.name_or_path, "target_pin": resolve_pin(target.name_or_path, target.revision),
+            "target_layer_ids": list(layer_ids), "hidden_size": H, "dtype": dtype,
+            "rows": len(ds), "tokens": sum(lengths), "bytes_per_token": bytes_per_token(len(layer_ids), H, dtype),
+            "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows}
+    out.mkdir(parents=True, exist_ok=True)
+    if (out / MANIFEST).exists():
+        raise UserError(f"hidden-state cache '{out}' is already complete")
+    partial = json.loads((out / PARTIAL).read_text()) if (out / PARTIAL).exists() else None
+    if partial and {k: v for k, v in partial.items() if k != "shards"} != head:
+        raise UserError(f"'{out}' holds a partial cache for other settings (target, taps, dtype or data)")
+    done = {s["file"]: s for s in (partial or {}).get("shards", [])
+            if (out / s["file"]).is_file() and _sha256(out / s["file"]) == s["sha256"]}
+    print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} bytes/token "
+          f"({dtype}), {head['tokens'] * head['bytes_per_token'] / 2**20:,.1f} MiB in all; "
+          f"{len(done)} shard(s) already done", file=sys.stderr)
+
+    device = target.embed.weight.device
+    pad = target.tokenizer.pad_token_id or 0
+    shards = []
+    n_shards = (len(ds) + shard_rows - 1) // shard_rows
+    for s in tqdm(range(n_shards), desc="cache shards", mininterval=BAR_INTERVAL):
+        name = f"shard_{s:05d}.safetensors"
+        if name in done:
+            shards.append(done[name])
+            continue
+        lo, hi = s * shard_rows, min((s + 1) * shard_rows, len(ds))
+        tensors = {}
+        for b in range(lo, hi, batch_size):
+            rows = list(range(b, min(b + batch_size, hi)))
+            T = max(lengths[r] for r in rows)
+            ids = torch.full((len(rows), T), pad, dtype=torch.long)
+            attn = torch.zeros((len(rows), T), dtype=torch.long)
+            for i, r in enumerate(rows):
+                ids[i, : lengths[r]] = torch.tensor(ds[r]["input_ids"])
+                attn[i, : lengths[r]] = 1
+            taps, last = target_forward(target, ids.to(device), attn.to(device), layer_ids)
+            for i, r in enumerate(rows):
+                for key, x in [("taps", taps[i, : lengths[r]]), ("last", last[i, : lengths[r]])]:
+                    for suffix, t in _encode(x.cpu(), dtype).items():
+                        tensors[f"{key}.{r}{suffix}"] = t
+        tmp = out / f".{name}.tmp"
+        save_file(tensors, tmp)
+        os.replace(tmp, out / name)  # a shard is either absent or complete
+        shards.append({"file": name, "rows": [lo, hi], "tokens": sum(lengths[lo:hi]), "sha256": _sha256(out / name)})
+        _write_json(out / PARTIAL, {**head, "shards": shards})
+    manifest = {**head, "shards": shards, "bytes_on_disk": sum((out / s["file"]).stat().st_size for s in shards)}
+    _write_json(out / MANIFEST, manifest)
+    (out / PARTIAL).unlink(missing_ok=True)
+    return manifest
+
+
+class HiddenStateCache:
+    """Reads rows of a complete cache (memory-mapped safetensors), padded into batches."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path, self.manifest = path, manifest
+        self.dtype, self.shard_rows = manifest["dtype"], manifest["shard_rows"]
+        self._open: dict[int, object] = {}
+
+    def _shard(self, row: int):
+        s = row // self.shard_rows
+        if s not in self._open:
+            self._open[s] = safe_open(str(self.path / self.manifest["shards"][s]["file"]), framework="pt")
+        return self._open[s]
+
+    def batch(self, rows: list[int], T: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> taps [b, T, n*H], last [b, T, H] (zeros past each row's end, like right padding)."""
+        taps = [_decode(self._shard(r), f"taps.{r}", self.dtype) for r in rows]
+        last = [_decode(self._shard(r), f"last.{r}", self.dtype) for r in rows]
+        pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[0])) for x in xs])  # noqa: E731
+        return pad(taps).to(device, dtype), pad(last).to(device, dtype)
+
+
+def open_cache(path: str | Path, target: Target, layer_ids: list[int], ds) -> HiddenStateCache:
+    """Open a cache for training; refuse one made for another target, tap set or dataset."""
+    path = Path(path)
+    if not (path / MANIFEST).is_file():
+        hint = " (its build did not finish: rerun dflash-cache to resume)" if (path / PARTIAL).is_file() else ""
+        raise UserError(f"'{path}' is not a complete hidden-state cache{hint}")
+    m = json.loads((path / MANIFEST).read_text())
+    pin = resolve_pin(target.name_or_path, target.revision)
+    mine = {k: v for k, v in pin.items() if k != "name_or_path"}
+    theirs = {k: v for k, v in m["target_pin"].items() if k != "name_or_path"}
+    if mine != theirs:
+        raise UserError(f"hidden-state cache '{path}' was made for another target ({m['target']}, "
+                        f"{m['target_pin'].get('revision') or m['target_pin'].get('sha256', '')[:12]})")
+    if m["target_layer_ids"] != list(layer_ids):
+        raise UserError(f"hidden-state cache '{path}' has taps {m['target_layer_ids']}, the drafter needs {layer_ids}")
+    if m["rows"] != len(ds) or m["dataset_sha256"] != dataset_hash(ds):
+        raise UserError(f"hidden-state cache '{path}' was made for other data than data.train")
+    return HiddenStateCache(path, m)
+
+
+def parse_args(argv):
+    p = OneLineArgumentParser(prog="dflash-cache", description=__doc__.splitlines()[0])
+    p.add_argument("--data", required=True, help="messages .jsonl or a dflash-prepare dataset folder")
+    p.add_argument("--target", required=True)
+    p.add_argument("--target-revision", default=None)
+    p.add_argument("--output", required=True)
+    p.add_argument("--target-layer-ids", default=None, help="comma-separated taps (z-lab ids); default: DFlash's rule")
+    p.add_argument("--num-draft-layers", type=int, default=2, help="for the default taps: one per drafter layer")
+    p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--max-length", type=int, default=256, help="as data.max_length in the recipe")
+    p.add_argument("--shard-rows", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    return p.parse_args(argv)
+
+
+@cli_guard
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    target = load_target(args.target, revision=args.target_revision, device=device,
+                         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.target_layer_ids:
+        try:
+            layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
+        except ValueError:
+            raise UserError(f"--target-layer-ids must be comma-separated integers, got '{args.target_layer_ids}'") from None
+    else:
+        layer_ids = build_target_layer_ids(target.num_layers, args.num_draft_layers)
+    check_tap_layers(layer_ids, target.num_layers)
+    ds = load_conversations(args.data, target.tokenizer, args.max_length, stop_token_ids(target.model, target.tokenizer))
+    out = Path(args.output)
+    if out.exists() and not (out / PARTIAL).exists() and any(out.iterdir()):
+        raise UserError(f"--output '{out}' is not empty and holds no partial cache to resume")
+    m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size)
+    print(f"wrote {len(m['shards'])} shard(s), {m['bytes_on_disk']:,} bytes for {m['tokens']:,} tokens "
+          f"({m['bytes_on_disk'] / m['tokens']:.0f} bytes/token on disk) to {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -163,3 +163,28 @@ def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
 
 def count_parameters(drafter: torch.nn.Module) -> int:
     return sum(p.numel() for p in drafter.parameters())
+
+
+# --- training checkpoints: everything an exact resume needs --------------------------------------
+
+def save_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict) -> None:
+    """checkpoints/step_N/: the drafter (loadable like final/) plus `state` (step, optimizer,
+    scheduler, data position, RNG, counters), written to a temporary folder and renamed, so a
+    restart never sees half a checkpoint."""
+    def write(tmp: Path):
+        write_drafter(tmp, drafter, target, recipe_yaml)
+        torch.save(state, tmp / "trainer_state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
+
+    write_atomically(folder, write)
+
+
+def newest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint (temporary folders of interrupted writes are ignored)."""
+    done = [p for p in (out / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def load_checkpoint(folder: Path) -> tuple[dict, dict]:
+    """-> (drafter weights, trainer state). The state holds tensors, numbers and dicts only."""
+    return load_file(folder / "model.safetensors"), torch.load(folder / "trainer_state.pt", weights_only=True)

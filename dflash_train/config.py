@@ -69,12 +69,17 @@ class TrainConfig(Section):
     warmup_ratio: float = Field(0.04, ge=0, lt=1)  # of max_steps, then cosine to 0
     clip_grad: float = Field(1.0, gt=0)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 where the GPU has it, else fp32
+    gradient_checkpointing: bool = False  # recompute drafter layers in backward: less memory, ~30% slower
 
 
 class EvalConfig(Section):
     every: int = Field(0, ge=0)  # validate every N steps (0: only at the end)
     num_anchors: int = Field(64, ge=1)  # anchors per held-out sequence
     max_samples: int | None = Field(None, ge=1)  # cap on held-out conversations
+    # Teacher-forced DDTree acceptance at these tree budgets (tree from the drafter's block
+    # distributions, walked along the target's tokens), to pick checkpoints per deployed budget.
+    ddtree_budgets: list[int] = [16, 64]
+    ddtree_max_blocks: int = Field(2000, ge=1)  # blocks per process scored with trees (CPU heap work)
 
 
 class WandbConfig(Section):

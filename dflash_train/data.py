@@ -99,16 +99,26 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
     return Batch(ids, attn, loss, [r["row"] for r in rows] if "row" in rows[0] else None)
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int,
-                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def anchor_keys(rows: list[int], lengths: list[int], T: int, seed: int, step: int) -> torch.Tensor:
+    """Uniform random keys [b, T] for anchor sampling, a row's keys drawn from its own generator
+    seeded by (seed, step, dataset row): a sequence gets the same anchors whichever process or
+    micro-batch it lands in, so runs with other process counts or padding see the same blocks."""
+    keys = torch.full((len(rows), T), -1.0)
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + step) * 10_000_019 + row)
+        keys[i, :n] = torch.rand(n, generator=g)
+    return keys
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors among assistant tokens: a is a candidate when token a+1 is supervised
-    (block slot 1 predicts it). Returns anchors [b, A] (sorted, 0 where unused) and valid [b, A]."""
+    (block slot 1 predicts it). keys [b, T] uniform in [0, 1) (see anchor_keys); the A
+    candidates with the largest keys are a uniform sample without replacement.
+    Returns anchors [b, A] (sorted, 0 where unused) and valid [b, A]."""
     b, T = loss_mask.shape
     cand = torch.zeros_like(loss_mask)
     cand[:, :-1] = loss_mask[:, 1:]
-    # Random keys on candidates, -1 elsewhere; the top-A keys are a uniform sample without replacement.
-    keys = torch.rand((b, T), generator=generator).to(loss_mask.device)
-    keys = torch.where(cand, keys, torch.full_like(keys, -1.0))
+    keys = torch.where(cand, keys.to(loss_mask.device), torch.full_like(keys, -1.0, device=loss_mask.device))
     A = min(num_anchors, T)
     top, idx = keys.topk(A, dim=1)
     valid = top >= 0

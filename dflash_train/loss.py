@@ -15,21 +15,29 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
     return torch.exp(-(k - 1) / gamma)
 
 
+def slot_weights(valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    """valid [b, A, K] bool -> the loss weight of every slot [b, A, K] (0 where invalid)."""
+    return position_weights(valid.shape[-1] + 1, gamma, valid.device) * valid
+
+
 def dflash_loss(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, gamma: float,
-                ce_weight: float = 1.0, kl_weight: float = 0.0,
-                target_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                ce_weight: float = 1.0, kl_weight: float = 0.0, target_logits: torch.Tensor | None = None,
+                normalizer: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict]:
     """draft_logits [b, A, K, V] for slots 1..K (K = B-1); labels [b, A, K] long;
     valid [b, A, K] bool; target_logits [b, A, K, V] (needed when kl_weight > 0).
-    Returns the weighted mean loss and detached tensors for `acceptance_metrics`."""
+    Returns sum(w * loss) / normalizer (default: this batch's sum(w), the weighted mean) and
+    detached tensors for `acceptance_counts`. Training passes the weight sum of the whole
+    optimizer step (all micro-batches, all processes), so the step's loss is one weighted
+    mean whatever the split across processes and accumulation."""
     logp = F.log_softmax(draft_logits.float(), dim=-1)
-    w = position_weights(draft_logits.shape[2] + 1, gamma, draft_logits.device) * valid  # [b, A, K]
+    w = slot_weights(valid, gamma)  # [b, A, K]
     per_slot = torch.zeros_like(w)
     if ce_weight:
         per_slot = per_slot + ce_weight * -logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
     if kl_weight:
         t_logp = F.log_softmax(target_logits.float(), dim=-1)
         per_slot = per_slot + kl_weight * (t_logp.exp() * (t_logp - logp)).sum(-1)
-    loss = (per_slot * w).sum() / w.sum().clamp(min=1e-8)
+    loss = (per_slot * w).sum() / (w.sum().clamp(min=1e-8) if normalizer is None else normalizer)
     correct = (draft_logits.argmax(-1) == labels) & valid
     return loss, {"correct": correct.detach(), "valid": valid.detach()}
 

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -149,6 +150,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(c) for _ in range(c.num_hidden_layers))
         self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(c)  # inv_freq is a non-persistent buffer
+        self.gradient_checkpointing = False  # training sets it from the recipe
         self.apply(self._init_weights)
 
     @staticmethod
@@ -171,7 +173,10 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary_emb(block_embeds, block_positions)
         x = block_embeds
         for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer(x, cos, sin, k, v, mask)
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(layer, x, cos, sin, k, v, mask, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, k, v, mask)
         return self.norm(x)
 
     # --- training: many anchored blocks of one sequence in one pass ---------------------------

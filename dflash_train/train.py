@@ -1,15 +1,21 @@
-"""Train a DFlash drafter against a frozen target (hidden states online).
+"""Train a DFlash drafter against a frozen target (hidden states online, or from an offline cache).
 
     accelerate launch dflash_train/train.py                                  # recipes/tiny.yaml
     accelerate launch dflash_train/train.py --recipe R.yaml output_dir=runs/x max_steps=50 seed=3
     accelerate launch --multi_gpu --num_processes 2 dflash_train/train.py ...  # DDP (gloo on CPU)
     dflash-train ...                                                          # same entry
 
-Each step: a batch of conversations -> the target's trunk (no grad) gives the tapped
-hidden states and its own next-token distributions -> random anchors among assistant
-tokens -> the drafter predicts every anchored block [anchor token, MASK x (B-1)] in one
-pass -> loss (CE to the target's tokens and/or KL to its distributions, weighted by block
+Each step: a batch of conversations -> the target's trunk (no grad; or the hidden-state cache)
+gives the tapped hidden states and its own next-token distributions -> random anchors among
+assistant tokens -> the drafter predicts every anchored block [anchor token, MASK x (B-1)] in
+one pass -> loss (CE to the target's tokens and/or KL to its distributions, weighted by block
 slot) -> backward, clip, AdamW, cosine schedule.
+
+Exactness: anchors are drawn per dataset row, the data order is a pure function of (seed,
+epoch), and the loss is normalised by the slot weights of the whole optimizer step across
+processes and micro-batches. So 1 process x batch 8 and 2 processes x batch 4 train the same
+model, and a run killed at any point and started again with the same command resumes from its
+newest checkpoint and continues with the losses it would have had.
 
 Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
@@ -21,97 +27,123 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator
-from accelerate.utils import set_seed
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.checkpoint import count_parameters, init_drafter, save_drafter, write_atomically, write_drafter
+from dflash_train.blocks import anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
+from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
+                                     save_checkpoint, save_drafter)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
-from dflash_train.data import Batch, block_labels_index, collate, load_conversations, sample_anchors, stop_token_ids
+from dflash_train.data import collate, load_conversations, stop_token_ids
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.hs_cache import HiddenStateCache, open_cache
-from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss
+from dflash_train.hs_cache import open_cache
+from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, slot_weights
 from dflash_train.progress import BAR_INTERVAL
-from dflash_train.target import Target, load_target, target_forward
+from dflash_train.target import load_target
+
+VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
+# Recipe keys that may change between a run and its resumption (they do not affect the math).
+RESUMABLE_CHANGES = {"overwrite", "log_every", "checkpoint_every", "wandb"}
 
 
-@dataclass
-class BlockOutputs:
-    draft_logits: torch.Tensor  # [b, A, K, V], K = B-1 drafted slots
-    target_logits: torch.Tensor  # [b, A, K, V], the target's distribution for the same tokens
-    labels: torch.Tensor  # [b, A, K]
-    valid: torch.Tensor  # [b, A, K] bool
+class EpochSampler(Sampler):
+    """A permutation of the dataset seeded by (seed, epoch): the order is a pure function of the
+    epoch, so a resumed run continues it exactly. Set `.epoch` before iterating."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self):
+        return self.n
 
 
-def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
-                    block_size: int, mask_id: int, ce_labels: str = "target",
-                    cache: HiddenStateCache | None = None) -> BlockOutputs:
-    """One target pass (or a cache read) and one drafter pass over every anchored block of the batch."""
-    ids = batch.input_ids
-    b, T = ids.shape
-    A, K = anchors.shape[1], block_size - 1
-    with torch.no_grad():
-        if cache is None:
-            taps, last = target_forward(target, ids, batch.attention_mask, layer_ids)
-        else:
-            taps, last = cache.batch(batch.rows, T, ids.device, target.embed.weight.dtype)
-        block_ids = torch.full((b, A, block_size), mask_id, dtype=torch.long, device=ids.device)
-        block_ids[:, :, 0] = ids.gather(1, anchors)  # slot 0: the anchor (bonus) token
-        block_embeds = target.embed(block_ids.view(b, A * block_size))
-        # Slot k predicts token a+k; the target's distribution for it is its output at a+k-1.
-        pos, inside = block_labels_index(anchors, block_size, T)  # [b, A, K]
-        valid = inside & batch.loss_mask.gather(1, pos.flatten(1)).view(b, A, K) & anchor_valid[..., None]
-        H = last.shape[-1]
-        t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H))
-        target_logits = target.lm_head(t_hidden).view(b, A, K, -1)
-        labels = target_logits.argmax(-1) if ce_labels == "target" else ids.gather(1, pos.flatten(1)).view(b, A, K)
-    hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool())  # [b, A*B, H]
-    hidden = hidden.view(b, A, block_size, -1)[:, :, 1:]  # slots 1..B-1
-    return BlockOutputs(target.lm_head(hidden), target_logits, labels, valid)
+def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: int):
+    """Endless (epoch, batches consumed in that epoch, batch), starting `skip` batches into `epoch`."""
+    while True:
+        sampler.epoch = epoch
+        for i, batch in enumerate(accelerator.skip_first_batches(loader, skip) if skip else loader, start=skip):
+            yield epoch, i + 1, batch
+        epoch, skip = epoch + 1, 0
 
 
 @torch.no_grad()
-def validate(accelerator, drafter, target, loader, cfg: RunConfig, layer_ids, mask_id) -> dict:
-    """Held-out per-position accuracy and chain EAL with fixed anchors; counts summed over processes."""
+def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
+    """Held-out loss, per-position accuracy, chain EAL and teacher-forced DDTree tau at the
+    recipe's budgets, with fixed anchors; each process takes every P-th conversation and the
+    counts are summed, so the result does not depend on the process count."""
     drafter.eval()
-    gen = torch.Generator().manual_seed(1234 + accelerator.process_index)
-    counts, loss_sum, n = None, 0.0, 0
-    for batch in loader:
-        batch = batch.to(accelerator.device)
-        anchors, anchor_valid = sample_anchors(batch.loss_mask, cfg.eval.num_anchors, cfg.model.block_size, gen)
+    model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
+    rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
+    budgets = cfg.eval.ddtree_budgets
+    totals = torch.zeros(2 + 2 * (B - 1) + 2 + len(budgets) + 1, dtype=torch.float64)
+    for i in range(0, len(rows), cfg.train.batch_size):
+        chunk = rows[i : i + cfg.train.batch_size]
+        batch = collate_fn([{**val_ds[r], "row": r} for r in chunk]).to(accelerator.device)
+        anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
-            out = anchored_blocks(accelerator.unwrap_model(drafter), target, batch, anchors, anchor_valid,
-                                  layer_ids, cfg.model.block_size, mask_id, cfg.loss.ce_labels)
-            loss, m = dflash_loss(out.draft_logits, out.labels, out.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                  cfg.loss.kl_weight, out.target_logits)
-        c = acceptance_counts(m["correct"], m["valid"])
-        counts = c if counts is None else counts + c
-        loss_sum, n = loss_sum + loss.item(), n + 1
-    counts = accelerator.reduce(counts.to(accelerator.device), reduction="sum").cpu()
-    totals = accelerator.reduce(torch.tensor([loss_sum, n], device=accelerator.device), reduction="sum").cpu()
+            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cfg.loss.ce_labels)
+            loss_sum, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
+                                      cfg.loss.kl_weight, o.target_logits, normalizer=1.0)
+        w_sum = slot_weights(o.valid, cfg.loss.gamma).sum()
+        totals += torch.cat([torch.stack([loss_sum.double().cpu(), w_sum.double().cpu()]),
+                             acceptance_counts(m["correct"], m["valid"]).cpu(),
+                             ddtree_acceptance(o.draft_logits.float().cpu(), o.labels.cpu(), o.valid.cpu(), budgets,
+                                               cfg.eval.ddtree_max_blocks)])
+    totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    return {"loss": (totals[0] / totals[1]).item(), **acceptance_metrics(counts)}
+    counts, tree = totals[2 : 2 + 2 * (B - 1) + 2], totals[2 + 2 * (B - 1) + 2 :]
+    blocks = max(tree[-1].item(), 1.0)
+    return {"loss": (totals[0] / totals[1].clamp(min=1e-8)).item(), **acceptance_metrics(counts),
+            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)}}
 
 
-def prepare_output_dir(cfg: RunConfig, accelerator) -> Path:
+def prepare_output_dir(cfg: RunConfig, accelerator) -> Path | None:
+    """Start fresh (empty or overwrite=true) or return the checkpoint to resume from."""
     out = Path(cfg.output_dir)
+    resume = None
     if out.exists() and any(out.iterdir()):
-        if not cfg.overwrite:
-            raise UserError(f"output_dir '{out}' is not empty (pass overwrite=true to replace it)")
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            shutil.rmtree(out)
+        if cfg.overwrite:
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                shutil.rmtree(out)
+        elif (out / "summary.json").is_file():
+            raise UserError(f"output_dir '{out}' holds a finished run (pass overwrite=true to replace it)")
+        else:
+            resume = newest_checkpoint(out)
+            if resume is None:
+                raise UserError(f"output_dir '{out}' is not empty and holds no checkpoint to resume "
+                                "(pass overwrite=true to replace it)")
+            check_same_recipe(yaml.safe_load((resume / "recipe.yaml").read_text()), cfg, resume)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         out.mkdir(parents=True, exist_ok=True)
+    return resume
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
     return out
+
+
+def check_same_recipe(saved: dict, cfg: RunConfig, where: Path) -> None:
+    now, before = _flat(cfg.model_dump(mode="json")), _flat(saved)
+    changed = [k for k in now if k.split(".")[0] not in RESUMABLE_CHANGES and now[k] != before.get(k)]
+    if changed:
+        raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); "
+                        "use the same recipe, or overwrite=true / a new output_dir")
 
 
 def choose_precision(cfg: RunConfig) -> str:
@@ -123,7 +155,7 @@ def choose_precision(cfg: RunConfig) -> str:
 
 def parse_args(argv):
     p = OneLineArgumentParser(prog="dflash-train", description="Train a DFlash drafter.",
-                                epilog="Overrides are dotted keys of the recipe, e.g. train.lr=1e-4 max_steps=50.")
+                              epilog="Overrides are dotted keys of the recipe, e.g. train.lr=1e-4 max_steps=50.")
     p.add_argument("--recipe", default=None, help=f"YAML recipe (default {DEFAULT_RECIPE})")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     return p.parse_args(argv)
@@ -138,72 +170,95 @@ def main(argv=None):
     # --multi_gpu`) only when told cpu=True; with one process or CUDA it picks the device itself.
     cpu_ddp = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     accelerator = Accelerator(cpu=cpu_ddp, mixed_precision=precision, log_with="wandb" if cfg.wandb.enabled else None)
-    out = prepare_output_dir(cfg, accelerator)
-    set_seed(cfg.seed)
+    resume = prepare_output_dir(cfg, accelerator)
+    out = Path(cfg.output_dir)
+    torch.manual_seed(cfg.seed)  # the drafter's initial weights
 
     # --- target, drafter, data -------------------------------------------------------------
     target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
                          dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
                          trust_remote_code=cfg.model.trust_remote_code)
     drafter = init_drafter(target, cfg.model)
+    drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     stops = stop_token_ids(target.model, target.tokenizer)
     with accelerator.main_process_first():
         train_ds = load_conversations(cfg.data.train, target.tokenizer, cfg.data.max_length, stops)
         val_ds = load_conversations(cfg.data.val, target.tokenizer, cfg.data.max_length, stops)
-    cache = None
-    if cfg.data.hidden_state_cache:
-        cache = open_cache(cfg.data.hidden_state_cache, target, layer_ids, train_ds)
-        train_ds = train_ds.add_column("row", list(range(len(train_ds))))
+    cache = open_cache(cfg.data.hidden_state_cache, target, layer_ids, train_ds) if cfg.data.hidden_state_cache else None
+    train_ds = train_ds.add_column("row", list(range(len(train_ds))))  # anchors and the cache are per row
     if cfg.eval.max_samples:
         val_ds = val_ds.select(range(min(cfg.eval.max_samples, len(val_ds))))
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     collate_fn = partial(collate, pad_id=pad_id)
-    train_dl = DataLoader(train_ds, batch_size=cfg.train.batch_size, shuffle=True, drop_last=True,
-                          collate_fn=collate_fn, generator=torch.Generator().manual_seed(cfg.seed))
-    val_dl = DataLoader(val_ds, batch_size=cfg.train.batch_size, collate_fn=collate_fn)
-    if len(train_dl) == 0:
-        raise UserError(f"data.train has {len(train_ds)} usable conversations, fewer than "
-                        f"train.batch_size={cfg.train.batch_size}")
+    sampler = EpochSampler(len(train_ds), cfg.seed)
+    train_dl = DataLoader(train_ds, batch_size=cfg.train.batch_size, sampler=sampler, drop_last=True,
+                          collate_fn=collate_fn)
+    if len(train_ds) < cfg.train.batch_size * accelerator.num_processes:
+        raise UserError(f"data.train has {len(train_ds)} usable conversations, fewer than one global batch "
+                        f"({cfg.train.batch_size} x {accelerator.num_processes} processes)")
 
     # --- optimizer and schedule (stepped once per optimizer step, on every process) --------
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
                             weight_decay=cfg.train.weight_decay)
     sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
-    drafter, opt, train_dl, val_dl = accelerator.prepare(drafter, opt, train_dl, val_dl)
+    start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
+    if resume:
+        weights, state = load_checkpoint(resume)
+        drafter.load_state_dict(weights)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start_step, epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
+        tokens, train_time = state["tokens"], state["train_time"]
+    drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
     if cfg.wandb.enabled:
         accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
             "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
 
-    accelerator.print(f"target {cfg.model.target}: {target.num_layers} layers, taps {layer_ids}; drafter "
-                      f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, "
-                      f"block {B}; {len(train_ds)} train / {len(val_ds)} val conversations; {precision.replace('no', 'fp32')} on "
-                      f"{accelerator.device} x{accelerator.num_processes}")
+    accelerator.print(
+        f"target {cfg.model.target}: {target.num_layers} layers, taps {layer_ids}; drafter "
+        f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
+        f"{len(train_ds)} train / {len(val_ds)} val conversations; hidden states "
+        f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
+        f"{accelerator.device} x{accelerator.num_processes}" + (f"; resuming from {resume}" if resume else ""))
 
     # --- loop ---------------------------------------------------------------------------------
-    metrics_file = open(out / "metrics.jsonl", "w") if accelerator.is_main_process else None
-    anchor_gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + accelerator.process_index)
-    batches = cycle(train_dl)
-    bar = tqdm(total=cfg.max_steps, desc="train", disable=not accelerator.is_main_process, dynamic_ncols=True,
-               mininterval=BAR_INTERVAL)
-    tokens, train_time, val = 0, 0.0, None
-    t_start = time.time()
-    for step in range(1, cfg.max_steps + 1):
+    metrics_file = None
+    if accelerator.is_main_process:  # keep the records up to the checkpoint, drop the rest
+        kept = [line for line in (out / "metrics.jsonl").read_text().splitlines()
+                if json.loads(line)["step"] <= start_step] if resume and (out / "metrics.jsonl").exists() else []
+        metrics_file = open(out / "metrics.jsonl", "w")
+        metrics_file.writelines(line + "\n" for line in kept)
+    batches = train_batches(train_dl, sampler, accelerator, epoch, skip)
+    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process,
+               dynamic_ncols=True, mininterval=BAR_INTERVAL)
+    val, t_start = None, time.time()
+    for step in range(start_step + 1, cfg.max_steps + 1):
         t0 = time.time()
+        # Draw the step's micro-batches and anchors first: the loss is normalised by the slot
+        # weights of the whole optimizer step, summed over micro-batches and processes.
+        micro = []
+        for _ in range(cfg.train.grad_accum):
+            epoch, in_epoch, batch = next(batches)
+            batch = batch.to(accelerator.device)
+            anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
+            micro.append((batch, anchors, anchor_valid))
+        w_local = sum(slot_weights(block_slots(b, a, v, B)[1], cfg.loss.gamma).sum() for b, a, v in micro)
+        w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
+        # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
+        normalizer = (w_total / accelerator.num_processes).float()
+
         loss_sum, step_tokens, counts = 0.0, 0, None
-        for micro in range(cfg.train.grad_accum):
-            batch = next(batches).to(accelerator.device)
-            anchors, anchor_valid = sample_anchors(batch.loss_mask, cfg.data.num_anchors, B, anchor_gen)
-            last_micro = micro == cfg.train.grad_accum - 1
-            sync = contextlib.nullcontext() if last_micro else accelerator.no_sync(drafter)
+        for i, (batch, anchors, anchor_valid) in enumerate(micro):
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
             with sync, accelerator.autocast():
                 o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id,
                                     cfg.loss.ce_labels, cache)
                 loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                      cfg.loss.kl_weight, o.target_logits)
-                accelerator.backward(loss / cfg.train.grad_accum)
-            loss_sum += loss.item() / cfg.train.grad_accum
+                                      cfg.loss.kl_weight, o.target_logits, normalizer=normalizer)
+                accelerator.backward(loss)
+            loss_sum += loss.item()
             c = acceptance_counts(m["correct"], m["valid"])
             counts = c if counts is None else counts + c
             step_tokens += int(batch.attention_mask.sum())
@@ -219,23 +274,30 @@ def main(argv=None):
         train_time += time.time() - t0
 
         live = acceptance_metrics(counts)
-        record = {"step": step, "loss": round(loss_sum, 6), "lr": lr,
-                  "grad_norm": round(float(grad_norm), 6), "eal": round(live["eal"], 4),
-                  "acc_1": round(live["acc_per_position"][0], 4), "tokens": tokens,
-                  "elapsed_s": round(time.time() - t_start, 2)}
+        record = {"step": step, "loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(float(grad_norm), 6),
+                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4), "tokens": tokens,
+                  "train_tokens_per_s": round(tokens / train_time, 1), "elapsed_s": round(time.time() - t_start, 2)}
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
-            val = validate(accelerator, drafter, target, val_dl, cfg, layer_ids, mask_id)
+            val = validate(accelerator, drafter, target, val_ds, collate_fn, cfg, layer_ids, mask_id)
             record.update({"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
-                           "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]]})
+                           "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
+                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()}})
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
-        accelerator.log({k: v for k, v in record.items() if not isinstance(v, list)}, step=step)
-        if step % cfg.log_every == 0 or step == 1:
-            bar.set_postfix(loss=f"{loss_sum:.3f}", eal=f"{live['eal']:.2f}", lr=f"{record['lr']:.1e}")
+        accelerator.log(flat_for_tracker(record), step=step)
+        if step % cfg.log_every == 0 or step == start_step + 1:
+            bar.set_postfix(loss=f"{loss_sum:.3f}", eal=f"{live['eal']:.2f}", lr=f"{lr:.1e}")
         bar.update(1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-            save_checkpoint(accelerator, out, step, drafter, opt, sched, target, cfg)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                save_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator.unwrap_model(drafter), target,
+                                dump_recipe(cfg), {"step": step, "optimizer": opt.state_dict(),
+                                                   "scheduler": sched.state_dict(), "epoch": epoch,
+                                                   "batches_in_epoch": in_epoch, "tokens": tokens,
+                                                   "train_time": train_time})
+            accelerator.wait_for_everyone()
     bar.close()
 
     # --- outputs -------------------------------------------------------------------------------
@@ -243,38 +305,29 @@ def main(argv=None):
     if accelerator.is_main_process:
         save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg))
         summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
-                   "train_tokens_per_s": round(tokens / train_time, 1), "train_tokens": tokens,
-                   "processes": accelerator.num_processes, "device": str(accelerator.device),
-                   "precision": "bf16" if precision == "bf16" else "fp32", "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
+                   "train_tokens_per_s": round(tokens / max(train_time, 1e-9), 1), "train_tokens": tokens,
+                   "resumed_from_step": start_step, "processes": accelerator.num_processes,
+                   "device": str(accelerator.device), "precision": "bf16" if precision == "bf16" else "fp32",
+                   "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
                    "target": cfg.model.target, "target_layer_ids": layer_ids, "block_size": B,
-                   "eval": {"eal": val["eal"], "acc_per_position": val["acc_per_position"], "loss": val["loss"],
-                            "blocks": val["blocks"]}}
+                   "hidden_states": "cache" if cache else "online", "eval": val}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metrics_file.close()
+        tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
         print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
-              f"train tokens/s; held-out EAL {val['eal']:.2f}, acc@1 {val['acc_per_position'][0]:.3f}; "
-              f"drafter in {out / 'final'}")
+              f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
+              f"{val['acc_per_position'][0]:.3f}; drafter in {out / 'final'}")
     accelerator.end_training()
 
 
-def save_checkpoint(accelerator, out: Path, step: int, drafter, opt, sched, target, cfg: RunConfig) -> None:
-    """checkpoints/step_N/: the drafter (loadable like final/), optimizer and scheduler state,
-    and the step, written to a temporary folder and renamed."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        def write(tmp: Path):
-            write_drafter(tmp, accelerator.unwrap_model(drafter), target, dump_recipe(cfg))
-            torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp / "trainer_state.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps({"step": step}) + "\n")
-
-        write_atomically(out / "checkpoints" / f"step_{step:06d}", write)
-    accelerator.wait_for_everyone()
-
-
-def cycle(loader):
-    """Endless iteration over epochs (the loader reshuffles each epoch)."""
-    while True:
-        yield from loader
+def flat_for_tracker(record: dict) -> dict:
+    """metrics.jsonl record -> scalar keys for wandb (val/acc_k, val/ddtree_tau@budget)."""
+    flat = {k: v for k, v in record.items() if not isinstance(v, (list, dict))}
+    for k, acc in enumerate(record.get("val_acc_per_position", []), start=1):
+        flat[f"val/acc_{k}"] = acc
+    for budget, tau in record.get("val_ddtree_tau", {}).items():
+        flat[f"val/ddtree_tau@{budget}"] = tau
+    return flat
 
 
 if __name__ == "__main__":

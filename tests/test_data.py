@@ -1,6 +1,6 @@
 import torch
 
-from dflash_train.data import collate, sample_anchors, stop_token_ids, tokenize_conversation
+from dflash_train.data import anchor_keys, collate, sample_anchors, stop_token_ids, tokenize_conversation
 
 
 def test_loss_mask_covers_exactly_the_assistant_turns(tiny_target):
@@ -31,8 +31,8 @@ def test_anchors_are_sampled_among_assistant_tokens():
     loss_mask[0, 5:12] = True
     loss_mask[1, 15:20] = True
     # row 2: no supervised token at all
-    gen = torch.Generator().manual_seed(0)
-    anchors, valid = sample_anchors(loss_mask, 4, 8, gen)
+    keys = anchor_keys([0, 1, 2], [20, 20, 20], 20, seed=0, step=1)
+    anchors, valid = sample_anchors(loss_mask, 4, keys)
     assert anchors.shape == valid.shape == (3, 4)
     for row in range(3):
         a = anchors[row][valid[row]]
@@ -40,7 +40,7 @@ def test_anchors_are_sampled_among_assistant_tokens():
         assert all(loss_mask[row, x + 1] for x in a.tolist()), "slot 1 predicts a supervised token"
     assert valid[0].all() and valid[1].all() and not valid[2].any()
     # all candidates of row 1 (positions 14..18) when asking for more than there are
-    anchors, valid = sample_anchors(loss_mask, 10, 8, gen)
+    anchors, valid = sample_anchors(loss_mask, 10, keys)
     assert anchors[1][valid[1]].tolist() == [14, 15, 16, 17, 18]
 
 
@@ -49,3 +49,10 @@ def test_collate_pads_right():
     assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert b.loss_mask.tolist() == [[False, True, True], [True, False, False]]
+
+
+def test_anchor_keys_depend_on_the_row_not_the_batch():
+    a = anchor_keys([7, 3], [5, 9], 12, seed=1, step=4)
+    b = anchor_keys([3], [9], 9, seed=1, step=4)
+    assert torch.equal(a[1, :9], b[0]) and (a[0, 5:] == -1).all()
+    assert not torch.equal(anchor_keys([3], [9], 9, seed=1, step=5), b)  # a new draw each step

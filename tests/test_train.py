@@ -76,5 +76,5 @@ def test_non_empty_output_dir_is_refused(tmp_path, capsys):
     except SystemExit as e:
         assert e.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: output_dir '{out}' is not empty (pass overwrite=true to replace it)"]
+    assert err == [f"error: output_dir '{out}' is not empty and holds no checkpoint to resume (pass overwrite=true to replace it)"]
     assert (out / "keep.txt").read_text() == "mine"

@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]"
 	# speculators without its torchvision/torchaudio pins (see pyproject.toml)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "speculators==0.9.0"
+	# DeepSpeed as pure Python (its CUDA ops build on first use); no isolated build env, which
+	# would download a second torch just to run its setup.py
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --disable-pip-version-check --no-build-isolation "deepspeed>=0.16,<0.20"
 	touch $(STAMP)
 
 demo: install

@@ -27,16 +27,25 @@ SPECULATORS_VERIFIER_KEYS = {"embed_tokens.weight", "lm_head.weight", "verifier_
                              "verifier_norm.weight", "d2t", "t2d"}
 
 
-def mask_token_id(target: Target, mask_token: str) -> int:
+def mask_token_id(target: Target, mask_token: str, given_id: int | None = None) -> int:
+    rows = target.model.config.vocab_size
+    if given_id is not None:
+        if given_id >= rows:
+            raise UserError(f"model.mask_token_id {given_id} is outside the target's embedding table ({rows} rows)")
+        return given_id
     tok = target.tokenizer
     ids = tok.convert_tokens_to_ids([mask_token])
     if ids[0] is None or ids[0] == tok.unk_token_id or mask_token not in tok.get_vocab():
-        raise UserError(f"the target's tokenizer has no mask token '{mask_token}' "
-                        "(add it as a special token, as DFlash does for Qwen3's <|MASK|>)")
+        raise UserError(f"the target's tokenizer has no mask token '{mask_token}' (add it as a special token, "
+                        "or give an unused embedding row as model.mask_token_id, e.g. 151669 for Qwen3)")
     if ids[0] >= target.model.config.vocab_size:
         raise UserError(f"mask token '{mask_token}' id {ids[0]} is outside the target's "
                         f"embedding table ({target.model.config.vocab_size} rows)")
     return ids[0]
+
+
+def mask_token_text(tokenizer, mask_id: int) -> str | None:
+    return tokenizer.convert_ids_to_tokens(mask_id) if mask_id < len(tokenizer) else None
 
 
 def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
@@ -48,7 +57,7 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=m.num_layers,
         num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
         head_dim=tc.head_dim, vocab_size=tc.vocab_size, block_size=m.block_size,
-        mask_token_id=mask_token_id(target, m.mask_token), target_layer_ids=list(layer_ids),
+        mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
         attention_bias=tc.attention_bias,
@@ -97,19 +106,24 @@ def write_atomically(out: Path, write) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_drafter(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None) -> None:
-    state = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+def write_drafter(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None,
+                  state: dict | None = None) -> None:
+    """`state` overrides drafter.state_dict(): under FSDP / ZeRO-3 the full weights come from
+    accelerator.get_state_dict, gathered by every process."""
+    state = {k: v.detach().to("cpu").contiguous() for k, v in (state or drafter.state_dict()).items()}
     meta = {"format": FORMAT, "drafter": drafter.config.to_dict(),
             "target": {"name_or_path": target.name_or_path, "revision": target.revision},
-            "mask_token": target.tokenizer.convert_ids_to_tokens(drafter.config.mask_token_id)}
+            # None when the mask is an embedding row beyond the tokenizer (Qwen3's 151669)
+            "mask_token": mask_token_text(target.tokenizer, drafter.config.mask_token_id)}
     save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
     if recipe_yaml is not None:
         (folder / "recipe.yaml").write_text(recipe_yaml)
 
 
-def save_drafter(out: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None) -> None:
-    write_atomically(out, lambda tmp: write_drafter(tmp, drafter, target, recipe_yaml))
+def save_drafter(out: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None,
+                 state: dict | None = None) -> None:
+    write_atomically(out, lambda tmp: write_drafter(tmp, drafter, target, recipe_yaml, state))
 
 
 def resolve_folder(path_or_id: str | Path) -> Path:
@@ -167,12 +181,13 @@ def count_parameters(drafter: torch.nn.Module) -> int:
 
 # --- training checkpoints: everything an exact resume needs --------------------------------------
 
-def save_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict) -> None:
+def save_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict,
+                    weights: dict | None = None) -> None:
     """checkpoints/step_N/: the drafter (loadable like final/) plus `state` (step, optimizer,
     scheduler, data position, RNG, counters), written to a temporary folder and renamed, so a
     restart never sees half a checkpoint."""
     def write(tmp: Path):
-        write_drafter(tmp, drafter, target, recipe_yaml)
+        write_drafter(tmp, drafter, target, recipe_yaml, weights)
         torch.save(state, tmp / "trainer_state.pt")
         (tmp / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
 

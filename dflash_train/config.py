@@ -31,7 +31,10 @@ class ModelConfig(Section):
     # Tapped target decoder layers (z-lab convention, read as hidden_states[k+1]);
     # null = DFlash's default rule, one tap per drafter layer spread over layers 1..N-3.
     target_layer_ids: list[int] | None = None
-    mask_token: str = "<|MASK|>"  # must be a single token of the target's tokenizer
+    mask_token: str = "<|MASK|>"  # must be a single token of the target's tokenizer...
+    # ...or an embedding row given by id, for targets whose tokenizer has no mask token: Qwen3
+    # has 151669 tokens but 151936 embedding rows, and DFlash uses row 151669 as its mask.
+    mask_token_id: int | None = Field(None, ge=0)
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None

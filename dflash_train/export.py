@@ -21,7 +21,7 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_train.checkpoint import count_parameters, load_drafter, resolve_folder, write_atomically
+from dflash_train.checkpoint import count_parameters, load_drafter, mask_token_text, resolve_folder, write_atomically
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
 from dflash_train.target import check_tap_layers, resolve_pin
@@ -52,12 +52,11 @@ def check_verifier(cfg, mask_token: str | None, vconfig, vtokenizer, verifier: s
         check_tap_layers(cfg.target_layer_ids, vconfig.num_hidden_layers)
     except UserError as e:
         raise UserError(f"verifier '{verifier}' does not match the drafter: {e}") from None
-    token = vtokenizer.convert_ids_to_tokens(cfg.mask_token_id) if cfg.mask_token_id < len(vtokenizer) else None
-    if token is None or (mask_token is not None and token != mask_token):
-        want = mask_token or f"id {cfg.mask_token_id}"
-        raise UserError(f"verifier '{verifier}' has no mask token {want} at id {cfg.mask_token_id} "
+    token = mask_token_text(vtokenizer, cfg.mask_token_id)
+    if mask_token is not None and token != mask_token:  # trained with a named token: it must be there
+        raise UserError(f"verifier '{verifier}' has no mask token {mask_token} at id {cfg.mask_token_id} "
                         f"(found {token!r})")
-    return token
+    return token or f"(embedding row {cfg.mask_token_id}, no token text)"
 
 
 def pin_text(pin: dict) -> str:

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import yaml
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -170,6 +171,9 @@ def main(argv=None):
     # --multi_gpu`) only when told cpu=True; with one process or CUDA it picks the device itself.
     cpu_ddp = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     accelerator = Accelerator(cpu=cpu_ddp, mixed_precision=precision, log_with="wandb" if cfg.wandb.enabled else None)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.train.grad_accum > 1:
+        raise UserError("train.grad_accum > 1 with DeepSpeed: its engine owns accumulation; set "
+                        "gradient_accumulation_steps in the DeepSpeed config and keep train.grad_accum=1")
     resume = prepare_output_dir(cfg, accelerator)
     out = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)  # the drafter's initial weights
@@ -274,7 +278,8 @@ def main(argv=None):
         train_time += time.time() - t0
 
         live = acceptance_metrics(counts)
-        record = {"step": step, "loss": round(loss_sum, 6), "lr": lr, "grad_norm": round(float(grad_norm), 6),
+        grad_norm = None if grad_norm is None else round(float(grad_norm), 6)  # DeepSpeed clips inside its engine
+        record = {"step": step, "loss": round(loss_sum, 6), "lr": lr, "grad_norm": grad_norm,
                   "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4), "tokens": tokens,
                   "train_tokens_per_s": round(tokens / train_time, 1), "elapsed_s": round(time.time() - t_start, 2)}
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
@@ -290,10 +295,10 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss_sum:.3f}", eal=f"{live['eal']:.2f}", lr=f"{lr:.1e}")
         bar.update(1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-            accelerator.wait_for_everyone()
+            weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
             if accelerator.is_main_process:
                 save_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator.unwrap_model(drafter), target,
-                                dump_recipe(cfg), {"step": step, "optimizer": opt.state_dict(),
+                                dump_recipe(cfg), weights=weights, state={"step": step, "optimizer": opt.state_dict(),
                                                    "scheduler": sched.state_dict(), "epoch": epoch,
                                                    "batches_in_epoch": in_epoch, "tokens": tokens,
                                                    "train_time": train_time})
@@ -301,9 +306,9 @@ def main(argv=None):
     bar.close()
 
     # --- outputs -------------------------------------------------------------------------------
-    accelerator.wait_for_everyone()
+    weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
     if accelerator.is_main_process:
-        save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg))
+        save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg), weights)
         summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
                    "train_tokens_per_s": round(tokens / max(train_time, 1e-9), 1), "train_tokens": tokens,
                    "resumed_from_step": start_step, "processes": accelerator.num_processes,

@@ -1,0 +1,76 @@
+"""Shipped recipes for real targets and the accelerate / DeepSpeed configs beside them."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_train.checkpoint import drafter_config_for
+from dflash_train.config import ModelConfig, load_recipe
+from dflash_train.errors import UserError
+from dflash_train.target import build_target_layer_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCEL = ROOT / "recipes" / "accelerate"
+# layer counts of the real targets (public configs), to check the recipes' taps against DFlash's rule
+LAYERS = {"qwen3-4b": 36, "qwen3-8b": 36, "llama-3.1-8b-instruct": 32, "qwen3-coder-30b-a3b": 48}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_real_target_recipes(name):
+    cfg = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    m = cfg.model
+    assert (m.num_layers, m.block_size, cfg.loss.gamma, cfg.train.lr) == (5, 16, 7.0, 6e-4)
+    assert m.target_layer_ids == build_target_layer_ids(LAYERS[name], m.num_layers)
+    assert max(m.target_layer_ids) <= LAYERS[name] - 2  # never the last layer
+    assert (m.mask_token_id == 151669) == name.startswith("qwen3")
+    assert cfg.data.num_anchors == 512 and cfg.data.max_length == 3072
+
+
+@pytest.mark.parametrize("name, kind, n", [("single_gpu", "NO", 1), ("ddp", "MULTI_GPU", 8), ("fsdp", "FSDP", 8),
+                                           ("deepspeed_zero2", "DEEPSPEED", 8), ("deepspeed_zero3", "DEEPSPEED", 8)])
+def test_accelerate_configs_parse(name, kind, n):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    c = load_config_from_file(str(ACCEL / f"{name}.yaml"))
+    assert c.distributed_type.value == kind and c.num_processes == n
+    if kind == "FSDP":
+        assert c.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "DFlashDecoderLayer"
+        from dflash_train import model
+        assert hasattr(model, c.fsdp_config["fsdp_transformer_layer_cls_to_wrap"])
+    if kind == "DEEPSPEED":
+        assert (ROOT / c.deepspeed_config["deepspeed_config_file"]).is_file()
+
+
+def _fill_auto(node, values: dict, path=""):
+    """Replace "auto" the way accelerate does at launch (values by dotted key)."""
+    if isinstance(node, dict):
+        return {k: _fill_auto(v, values, f"{path}{k}.") for k, v in node.items()}
+    return values[path[:-1]] if node == "auto" else node
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_parse(stage):
+    pytest.importorskip("deepspeed")
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = ACCEL / f"ds_zero{stage}.json"
+    plugin = DeepSpeedPlugin(hf_ds_config=str(path))
+    assert plugin.zero_stage == stage
+    H = 4096  # Qwen3-8B's hidden size, as accelerate fills the ZeRO-3 bucket sizes
+    filled = _fill_auto(json.loads(path.read_text()), {
+        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "bf16.enabled": True,
+        "zero_optimization.reduce_bucket_size": H * H, "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * H * H),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * H})
+    ds = DeepSpeedConfig(filled)
+    assert ds.zero_optimization_stage == stage and ds.gradient_clipping == 1.0 and ds.bfloat16_config.enabled
+
+
+def test_mask_token_id_for_tokenizers_without_a_mask_token(tiny_target):
+    cfg = drafter_config_for(tiny_target, ModelConfig(mask_token="<|nope|>", mask_token_id=1000))
+    assert cfg.mask_token_id == 1000
+    with pytest.raises(UserError, match="outside the target's embedding table"):
+        drafter_config_for(tiny_target, ModelConfig(mask_token_id=5000))
+    with pytest.raises(UserError, match="no mask token '<|nope|>'"):
+        drafter_config_for(tiny_target, ModelConfig(mask_token="<|nope|>"))

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_train.data import load_conversations, stop_token_ids  # noqa: E402
+from dflash_train.data import load_conversations  # noqa: E402
 from dflash_train.hs_cache import build_cache, bytes_per_token  # noqa: E402
 from dflash_train.target import load_target  # noqa: E402
 
@@ -27,8 +27,7 @@ def main():
     p.add_argument("--rows", type=int, default=400)
     args = p.parse_args()
     target = load_target(str(ROOT / "data" / "tiny-target"))
-    ds = load_conversations(str(ROOT / "data" / "tiny" / "train.jsonl"), target.tokenizer, 256,
-                            stop_token_ids(target.model, target.tokenizer)).select(range(args.rows))
+    ds = load_conversations(str(ROOT / "data" / "tiny" / "train.jsonl"), target.tokenizer, 256).select(range(args.rows))
     print(f"\ntiny target (8 layers, hidden 128), taps [1, 5], {args.rows} conversations, CPU\n")
     print(f"{'dtype':>9} {'tokens':>8} {'s':>6} {'tokens/s':>9} {'bytes/token':>12} {'on disk/token':>14}")
     for dtype in ["float32", "bfloat16", "fp8"]:

@@ -1,69 +1,82 @@
-"""Conversations -> token ids with an assistant-only loss mask -> padded batches -> anchors.
+"""Training data -> token ids with an assistant-only loss mask -> padded batches -> anchors.
 
-The loss mask is derived from the target's own chat template: for each assistant turn,
-the template is rendered up to that turn with the generation prompt, and again through
-the turn; the extra tokens, up to and including the first stop token, are the
-assistant's. This works for any template whose rendering of a prefix of the conversation
-is a prefix of the full rendering (ChatML/Qwen3 without thinking history, Llama 3).
+The loss mask comes from `prepare.encode_conversations` (the same code as dflash-prepare): the
+conversation is rendered once with the target's chat template, each assistant reply is located
+in the text, and the tokens from the reply's start through the template's end-of-turn token are
+supervised, checked against the tokenizer's offsets.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.compute as pc
 import torch
-from datasets import Dataset, load_dataset
+from datasets import Dataset, load_from_disk
 from transformers import PreTrainedTokenizerBase
 
+from dflash_train import prepare
 from dflash_train.errors import UserError
 
 
-def _render_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+def load_conversations(path: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
+    """Training data -> Dataset(input_ids, loss_mask), cut to max_length, rows with >= 2 supervised tokens.
 
-
-def tokenize_conversation(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_length: int,
-                          stop_ids: set[int]) -> tuple[list[int], list[int]] | None:
-    """Returns (input_ids, loss_mask) or None if the template is not prefix-stable here."""
-    ids = _render_ids(tokenizer, messages, add_generation_prompt=False)
-    mask = [0] * len(ids)
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        start = len(_render_ids(tokenizer, messages[:i], add_generation_prompt=True))
-        through = _render_ids(tokenizer, messages[: i + 1], add_generation_prompt=False)
-        if through != ids[: len(through)] or start > len(through):
-            return None
-        for j in range(start, len(through)):
-            mask[j] = 1
-            if ids[j] in stop_ids:
-                break
-    return ids[:max_length], mask[:max_length]
-
-
-def load_conversations(path: str, tokenizer: PreTrainedTokenizerBase, max_length: int,
-                       stop_ids: set[int]) -> Dataset:
-    """A jsonl of {"messages": [{role, content}, ...]} -> Dataset(input_ids, loss_mask)."""
-    if not Path(path).is_file():
+    `path` is a folder written by `dflash-prepare` (OUT, OUT/train or OUT/val: a `save_to_disk`
+    dataset with input_ids/loss_mask columns), or a jsonl of {"messages": [...]} rows masked by the
+    same code as dflash-prepare (`prepare.encode_conversations`)."""
+    p = Path(path)
+    if p.is_dir():
+        ds = _load_prepared(p, tokenizer)
+        longest = pc.max(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0
+        if longest > max_length:  # in memory: never write cache files into the prepared folder
+            ds = ds.map(lambda r: {"input_ids": r["input_ids"][:max_length], "loss_mask": r["loss_mask"][:max_length]},
+                        keep_in_memory=True, desc=f"cutting {p.name} to {max_length} tokens")
+    elif p.is_file():
+        ds = _tokenize_jsonl(p, tokenizer, max_length)
+    else:
         raise UserError(f"data file '{path}' not found")
-    if tokenizer.chat_template is None:
-        raise UserError("the target's tokenizer has no chat template")
-    try:
-        raw = load_dataset("json", data_files=str(path), split="train")
-    except Exception as e:  # datasets raises many types for unreadable json
-        raise UserError(f"data file '{path}' is not valid JSON lines: {type(e).__name__}") from e
-    if "messages" not in raw.column_names:
-        raise UserError(f"data file '{path}' has no 'messages' field (columns: {raw.column_names})")
-
-    def encode(row):
-        out = tokenize_conversation(tokenizer, row["messages"], max_length, stop_ids)
-        ids, mask = out if out else ([], [])
-        return {"input_ids": ids, "loss_mask": mask}
-
-    ds = raw.map(encode, remove_columns=raw.column_names, desc=f"tokenizing {Path(path).name}")
-    ds = ds.filter(lambda r: sum(r["loss_mask"]) >= 2)
+    ds = ds.filter(lambda r: sum(r["loss_mask"]) >= 2, keep_in_memory=True)
     if len(ds) == 0:
         raise UserError(f"data file '{path}' has no conversation with assistant tokens")
+    return ds
+
+
+def _tokenize_jsonl(path: Path, tokenizer, max_length: int) -> Dataset:
+    """A messages jsonl, every row well formed (training has no report to count skipped rows in)."""
+    fields = prepare.Fields(*prepare.FORMATS["messages"], prepare.ROLE_NAMES)
+    rows = prepare.read_rows(str(path), "json", "train", None)
+    conversations, _ = prepare.read_conversations(rows, "messages", fields, strict=True, source=str(path))
+    eot = prepare.end_of_turn(tokenizer)
+    encoded = prepare.encode_conversations(tokenizer, conversations, eot, max_length, enable_thinking=False)
+    return prepare.to_dataset([r for r in encoded if not isinstance(r, str)])
+
+
+def _load_prepared(folder: Path, tokenizer) -> Dataset:
+    """A dflash-prepare dataset folder, checked against the training target's tokenizer."""
+    if not (folder / "state.json").is_file():
+        splits = sorted(d.name for d in folder.iterdir() if (d / "state.json").is_file())
+        hint = f"it holds the splits {', '.join(splits)}: pass '{folder / splits[0]}'" if splits else \
+            "no dataset saved by dflash-prepare (state.json) in it"
+        raise UserError(f"data folder '{folder}': {hint}")
+    try:
+        ds = load_from_disk(str(folder))
+    except Exception as e:  # datasets raises many types for damaged folders
+        raise UserError(f"data folder '{folder}' cannot be read as a dataset: {type(e).__name__}: {e}") from None
+    missing = {"input_ids", "loss_mask"} - set(ds.column_names)
+    if missing:
+        raise UserError(f"data folder '{folder}' lacks the columns {sorted(missing)} (has {ds.column_names}); "
+                        "prepare it with dflash-prepare")
+    info = next((f for f in (folder / prepare.INFO_FILE, folder.parent / prepare.INFO_FILE) if f.is_file()), None)
+    if info is not None and tokenizer.chat_template is not None:
+        made = json.loads(info.read_text())
+        if made["template"]["sha256"] != prepare.template_sha256(tokenizer):
+            raise UserError(f"data folder '{folder}' was prepared with another chat template (target "
+                            f"'{made['target']['name_or_path']}'): prepare it again for this target")
+    top = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py() if len(ds) else None
+    if top is not None and top >= len(tokenizer):
+        raise UserError(f"data folder '{folder}' holds token id {top}, outside this target's vocabulary "
+                        f"({len(tokenizer)} ids): prepare it again for this target")
     return ds
 
 

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from dflash_train.data import load_conversations, stop_token_ids
+from dflash_train.data import load_conversations
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin, target_forward
@@ -207,7 +207,7 @@ def main(argv=None):
     else:
         layer_ids = build_target_layer_ids(target.num_layers, args.num_draft_layers)
     check_tap_layers(layer_ids, target.num_layers)
-    ds = load_conversations(args.data, target.tokenizer, args.max_length, stop_token_ids(target.model, target.tokenizer))
+    ds = load_conversations(args.data, target.tokenizer, args.max_length)
     out = Path(args.output)
     if out.exists() and not (out / PARTIAL).exists() and any(out.iterdir()):
         raise UserError(f"--output '{out}' is not empty and holds no partial cache to resume")

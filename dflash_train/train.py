@@ -42,7 +42,7 @@ from dflash_train.blocks import anchored_blocks, block_slots, ddtree_acceptance,
 from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
                                      save_checkpoint, save_drafter)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
-from dflash_train.data import collate, load_conversations, stop_token_ids
+from dflash_train.data import collate, load_conversations
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import open_cache
 from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, slot_weights
@@ -186,10 +186,9 @@ def main(argv=None):
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
-    stops = stop_token_ids(target.model, target.tokenizer)
     with accelerator.main_process_first():
-        train_ds = load_conversations(cfg.data.train, target.tokenizer, cfg.data.max_length, stops)
-        val_ds = load_conversations(cfg.data.val, target.tokenizer, cfg.data.max_length, stops)
+        train_ds = load_conversations(cfg.data.train, target.tokenizer, cfg.data.max_length)
+        val_ds = load_conversations(cfg.data.val, target.tokenizer, cfg.data.max_length)
     cache = open_cache(cfg.data.hidden_state_cache, target, layer_ids, train_ds) if cfg.data.hidden_state_cache else None
     train_ds = train_ds.add_column("row", list(range(len(train_ds))))  # anchors and the cache are per row
     if cfg.eval.max_samples:

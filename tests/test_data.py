@@ -1,16 +1,20 @@
 import torch
 
-from dflash_train.data import anchor_keys, collate, sample_anchors, stop_token_ids, tokenize_conversation
+import json
+
+from dflash_train.data import anchor_keys, collate, load_conversations, sample_anchors
 
 
-def test_loss_mask_covers_exactly_the_assistant_turns(tiny_target):
+def test_loss_mask_covers_exactly_the_assistant_turns(tiny_target, tmp_path):
     tok = tiny_target.tokenizer
     messages = [{"role": "system", "content": "You are a helpful assistant."},
                 {"role": "user", "content": "What is 12 + 30?"},
                 {"role": "assistant", "content": "12 + 30 = 42."},
                 {"role": "user", "content": "Thank you!"},
                 {"role": "assistant", "content": "You are welcome."}]
-    ids, mask = tokenize_conversation(tok, messages, 512, stop_token_ids(tiny_target.model, tok))
+    (tmp_path / "one.jsonl").write_text(json.dumps({"messages": messages}) + "\n")
+    row = load_conversations(str(tmp_path / "one.jsonl"), tok, 512)[0]
+    ids, mask = row["input_ids"], row["loss_mask"]
     assert len(ids) == len(mask)
     # contiguous runs of supervised tokens, decoded
     runs, cur = [], []

@@ -10,7 +10,7 @@ import torch
 
 import dflash_train.hs_cache as hs
 from conftest import TINY_TARGET
-from dflash_train.data import load_conversations, stop_token_ids
+from dflash_train.data import load_conversations
 from dflash_train.errors import UserError
 from dflash_train.target import load_target, target_forward
 from dflash_train.train import main as train_main
@@ -21,8 +21,7 @@ TAPS = [1, 5]  # the default taps of a 2-layer drafter on the 8-layer tiny targe
 
 @pytest.fixture(scope="module")
 def ds(tiny_target, small_data):
-    return load_conversations(str(small_data / "train.jsonl"), tiny_target.tokenizer, 256,
-                              stop_token_ids(tiny_target.model, tiny_target.tokenizer))
+    return load_conversations(str(small_data / "train.jsonl"), tiny_target.tokenizer, 256)
 
 
 @pytest.fixture(scope="module")

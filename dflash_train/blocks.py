@@ -61,8 +61,9 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
         target_logits = target.lm_head(t_hidden).view(b, A, K, -1)
         labels = target_logits.argmax(-1) if ce_labels == "target" else ids.gather(1, pos.flatten(1)).view(b, A, K)
     hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool())  # [b, A*B, H]
-    hidden = hidden.view(b, A, block_size, -1)[:, :, 1:]  # slots 1..B-1
-    return BlockOutputs(target.lm_head(hidden), target_logits, labels, valid)
+    # slots 1..B-1, made contiguous: the LM head is then one matmul, not A small batched ones
+    hidden = hidden.view(b, A, block_size, -1)[:, :, 1:].reshape(b, A * K, -1)
+    return BlockOutputs(target.lm_head(hidden).view(b, A, K, -1), target_logits, labels, valid)
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],

@@ -12,11 +12,13 @@ module (its state_dict is exactly the trainable weights, named as Speculators na
 DFlash weights), so the caller embeds the block and applies the LM head.
 """
 
+import functools
 from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
@@ -87,14 +89,19 @@ class DFlashAttention(nn.Module):
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x [b, q, H] (block, normed); ctx_k/v [b, kvh, t, d]; mask [b, 1, q, t+q] bool or None (all visible)."""
+        """x [b, q, H] (block, normed); ctx_k/v [b, kvh, t, d]; mask [b, 1, q, t+q] bool, a flex
+        BlockMask of the same visibility, or None (all visible)."""
         b, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)  # [b, kvh, t+q, d]
         v = torch.cat([ctx_v, v_blk], dim=2)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        if isinstance(mask, BlockMask):  # block-sparse training mask: only visible tiles are computed
+            attend = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager on CPU: tests only
+            out = attend(q, k, v, block_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -151,6 +158,7 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(c)  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False  # training sets it from the recipe
+        self.flex_attention = False  # training forward: block-sparse flex attention instead of a dense mask
         self.apply(self._init_weights)
 
     @staticmethod
@@ -190,7 +198,8 @@ class DFlashDrafter(nn.Module):
         ctx_kv = self.context_kv(taps, positions)
         offsets = torch.arange(self.config.block_size, device=taps.device)
         block_positions = (anchors[:, :, None] + offsets).flatten(1)  # [b, A*B]
-        mask = anchored_block_mask(anchors, ctx_valid, self.config.block_size)
+        mask_fn = anchored_block_block_mask if self.flex_attention else anchored_block_mask
+        mask = mask_fn(anchors, ctx_valid, self.config.block_size)
         return self.blocks(block_embeds, block_positions, ctx_kv, mask)
 
     # --- inference: one block against a growing context cache ---------------------------------
@@ -220,3 +229,27 @@ def anchored_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_si
     q_block = torch.arange(A * block_size, device=anchors.device) // block_size
     sees_block = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)  # [b, A*B, A*B]
     return torch.cat([sees_ctx, sees_block], dim=2).unsqueeze(1)
+
+
+def anchored_block_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int) -> BlockMask:
+    """The same visibility as `anchored_block_mask` as a flex-attention BlockMask: with 512
+    anchors x 16 slots over 3072 context tokens the dense mask is ~97% hidden, and flex
+    attention skips the hidden 128x128 tiles instead of computing and masking them."""
+    b, A = anchors.shape
+    T = ctx_valid.shape[1]
+
+    def visible(bi, h, q_idx, kv_idx):
+        q_block = q_idx // block_size
+        in_ctx = kv_idx < T
+        sees_ctx = (kv_idx < anchors[bi, q_block]) & ctx_valid[bi, kv_idx.clamp(max=T - 1)]
+        sees_block = (kv_idx - T) // block_size == q_block
+        return torch.where(in_ctx, sees_ctx, sees_block)
+
+    return create_block_mask(visible, B=b, H=None, Q_LEN=A * block_size, KV_LEN=T + A * block_size,
+                             device=anchors.device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once (eager flex attention materialises the scores and is slow)."""
+    return torch.compile(flex_attention, dynamic=True)

@@ -88,14 +88,19 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
     budgets = cfg.eval.ddtree_budgets
     totals = torch.zeros(2 + 2 * (B - 1) + 2 + len(budgets) + 1, dtype=torch.float64)
-    for i in range(0, len(rows), cfg.train.batch_size):
-        chunk = rows[i : i + cfg.train.batch_size]
-        batch = collate_fn([{**val_ds[r], "row": r} for r in chunk]).to(accelerator.device)
+    # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
+    # a process out of rows repeats row 0 and counts nothing.
+    bs = cfg.train.batch_size
+    for i in range(0, -(-len(val_ds) // accelerator.num_processes), bs):
+        chunk = rows[i : i + bs]
+        batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
             o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cfg.loss.ce_labels)
             loss_sum, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
                                       cfg.loss.kl_weight, o.target_logits, normalizer=1.0)
+        if not chunk:
+            continue
         w_sum = slot_weights(o.valid, cfg.loss.gamma).sum()
         totals += torch.cat([torch.stack([loss_sum.double().cpu(), w_sum.double().cpu()]),
                              acceptance_counts(m["correct"], m["valid"]).cpu(),
@@ -184,6 +189,10 @@ def main(argv=None):
                          trust_remote_code=cfg.model.trust_remote_code)
     drafter = init_drafter(target, cfg.model)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
+    if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
+        raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
+    drafter.flex_attention = cfg.train.attention == "flex" or (cfg.train.attention == "auto"
+                                                               and accelerator.device.type == "cuda")
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     with accelerator.main_process_first():

@@ -153,3 +153,42 @@ def test_block_forward_equals_speculators_layers(setup):
     drafter.extend_context(cache, taps, torch.arange(a)[None])
     ours = drafter.forward_cached(x, torch.arange(a, a + B)[None], cache)
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_block_mask_equals_the_dense_mask():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from dflash_train.model import anchored_block_block_mask, anchored_block_mask
+
+    anchors = torch.tensor([[3, 10, 11, 25], [0, 5, 6, 7]])
+    ctx_valid = torch.ones(2, 30, dtype=torch.bool)
+    ctx_valid[1, 20:] = False  # padding
+    flex = anchored_block_block_mask(anchors, ctx_valid, 4)
+    assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 46, device="cpu"), anchored_block_mask(anchors, ctx_valid, 4))
+
+
+def test_flex_training_forward_matches_sdpa(setup):
+    """The flex path (compiled on CUDA; eager here) gives the SDPA path's outputs, and on CUDA its
+    gradients (flex attention has no backward on CPU)."""
+    target, drafter, cfg = setup
+    grads = torch.cuda.is_available()
+    ids = torch.randint(0, 1000, (2, 24))
+    anchors = torch.tensor([[2, 9, 15], [4, 5, 12]])
+    taps, _ = target_forward(target, ids, torch.ones_like(ids), cfg.target_layer_ids)
+    block = torch.full((2, 3, B), cfg.mask_token_id)
+    block[:, :, 0] = ids.gather(1, anchors)
+    embeds = target.embed(block.view(2, 3 * B))
+    results = []
+    for flex in [False, True]:
+        drafter.zero_grad()
+        drafter.flex_attention = flex
+        with torch.set_grad_enabled(grads):
+            out = drafter(embeds.detach(), taps, anchors, torch.ones_like(ids, dtype=torch.bool))
+        if grads:
+            out.square().mean().backward()
+            results.append((out.detach(), drafter.fc.weight.grad.clone(), drafter.layers[0].self_attn.q_proj.weight.grad.clone()))
+        else:
+            results.append((out,))
+    drafter.flex_attention = False
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

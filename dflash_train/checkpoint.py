@@ -91,6 +91,12 @@ def check_matches_target(cfg: DrafterConfig, target: Target) -> None:
             raise UserError(f"drafter does not match target '{target.name_or_path}': {name} {mine} vs {theirs}")
 
 
+def require_free_output(out: Path, overwrite: bool) -> None:
+    """A CLI's --output must be absent or empty unless --overwrite is given."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise UserError(f"--output '{out}' is not empty (pass --overwrite to replace it)")
+
+
 def write_atomically(out: Path, write) -> None:
     """Run write(tmp) on a temporary sibling folder, then rename it to `out`."""
     out = Path(out)

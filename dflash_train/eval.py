@@ -23,7 +23,7 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from dflash_train.checkpoint import check_matches_target, load_drafter, write_atomically
+from dflash_train.checkpoint import check_matches_target, load_drafter, require_free_output, write_atomically
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
@@ -167,8 +167,7 @@ def main(argv=None):
     args = parse_args(argv)
     budgets = parse_budgets(args.budgets)
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()) and not args.overwrite:
-        raise UserError(f"--output '{out}' is not empty (pass --overwrite to replace it)")
+    require_free_output(out, args.overwrite)
     device_costs = None
     if args.verify_times:
         try:

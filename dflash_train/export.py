@@ -21,7 +21,8 @@ from huggingface_hub import HfApi, ModelCard, ModelCardData
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_train.checkpoint import count_parameters, load_drafter, mask_token_text, resolve_folder, write_atomically
+from dflash_train.checkpoint import (count_parameters, load_drafter, mask_token_text, require_free_output, resolve_folder,
+                                     write_atomically)
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
 from dflash_train.target import check_tap_layers, resolve_pin
@@ -248,8 +249,7 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise UserError(f"--output '{out}' is not empty (pass --overwrite to replace it)")
+    require_free_output(out, args.overwrite)
     drafter, meta = load_drafter(args.checkpoint)
     cfg = drafter.config
     reports = read_reports(args.eval_report)

@@ -56,7 +56,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from dflash_train import regenerate as regen
-from dflash_train.checkpoint import write_atomically
+from dflash_train.checkpoint import require_free_output, write_atomically
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target
@@ -456,8 +456,7 @@ def run_regeneration(args, tokenizer, conversations, eot: str, out: Path):
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.output)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        raise UserError(f"--output '{out}' is not empty (pass --overwrite to replace it)")
+    require_free_output(out, args.overwrite)
     if args.regenerate and args.backend == "vllm":
         regen.import_vllm()  # fail before reading anything
     elif args.backend == "vllm":

@@ -10,7 +10,6 @@ the AR greedy output token for token. Writes report.json, report.md and PNG plot
 """
 
 import json
-import os
 import platform
 import shutil
 import subprocess

@@ -2,7 +2,6 @@
 
 import json
 import os
-import random
 import sys
 from pathlib import Path
 
@@ -62,11 +61,6 @@ def small_data(tmp_path_factory):
             for conv in tinychat.conversations(n, seed):
                 f.write(json.dumps({"messages": conv}) + "\n")
     return d
-
-
-@pytest.fixture
-def rng():
-    return random.Random(0)
 
 
 @pytest.fixture(scope="session")

@@ -72,7 +72,7 @@ class TrainConfig(Section):
     warmup_ratio: float = Field(0.04, ge=0, lt=1)  # of max_steps, then cosine to 0
     clip_grad: float = Field(1.0, gt=0)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 where the GPU has it, else fp32
-    gradient_checkpointing: bool = False  # recompute drafter layers in backward: less memory, ~30% slower
+    gradient_checkpointing: bool = False  # recompute drafter layers in backward: less memory, more compute
     # Training attention over the anchored blocks: flex = block-sparse flex attention (skips the
     # ~97% hidden tiles at 512 anchors), sdpa = dense boolean mask; auto = flex on CUDA, sdpa on CPU.
     attention: Literal["auto", "sdpa", "flex"] = "auto"

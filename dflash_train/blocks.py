@@ -74,16 +74,19 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
     logits = draft_logits.reshape(-1, *draft_logits.shape[-2:])[: max_blocks]  # [N, K, V]
     labels = labels.reshape(-1, labels.shape[-1])[: max_blocks].tolist()
     valid = valid.reshape(-1, valid.shape[-1])[: max_blocks].tolist()
+    # Nodes are numbered in best-first pop order, so the tree of budget b is exactly the nodes
+    # 1..b of the largest tree: build that once and count, per budget, the path nodes <= b.
     counts = torch.zeros(len(budgets) + 1, dtype=torch.float64)
     for i, (lab, ok) in enumerate(zip(labels, valid)):
-        if not ok[0]:
+        if not ok[0] or not budgets:
             continue
         counts[-1] += 1
+        tree, cur, path = build_tree(logits[i], max(budgets)), 0, []
+        for tok, v in zip(lab, ok):
+            if not v or tok not in tree.children[cur]:
+                break
+            cur = tree.children[cur][tok]
+            path.append(cur)  # increasing indices along the path
         for j, budget in enumerate(budgets):
-            tree, cur = build_tree(logits[i], budget), 0
-            for tok, v in zip(lab, ok):
-                if not v or tok not in tree.children[cur]:
-                    break
-                cur = tree.children[cur][tok]
-                counts[j] += 1
+            counts[j] += sum(1 for node in path if node <= budget)
     return counts

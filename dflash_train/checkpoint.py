@@ -7,6 +7,7 @@ A drafter folder holds:
 Folders are written to a temporary sibling and renamed, so a reader never sees half a drafter.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -179,6 +180,18 @@ def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
             raise UserError(f"'{path}' weight {k} has shape {tuple(v.shape)}, config says {tuple(expected[k].shape)}")
     drafter.load_state_dict({k: v.float() for k, v in state.items()})
     return drafter, meta
+
+
+def drafter_fingerprint(drafter: torch.nn.Module) -> str:
+    """SHA-256 over the drafter's tensors (name, dtype, shape, bytes) in name order. The three
+    formats hold the same tensors under the same names, so an export of a drafter has the
+    fingerprint of the drafter it came from: eval reports record it, the exporter checks it."""
+    h = hashlib.sha256()
+    for name, t in sorted(drafter.state_dict().items()):
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
 
 
 def count_parameters(drafter: torch.nn.Module) -> int:

@@ -11,7 +11,6 @@ the AR greedy output token for token. Writes report.json, report.md and PNG plot
 
 import json
 import platform
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -22,10 +21,11 @@ import torch
 import transformers
 from tqdm.auto import tqdm
 
-from dflash_train.checkpoint import check_matches_target, load_drafter, require_free_output, write_atomically
+from dflash_train.checkpoint import check_matches_target, load_drafter
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.outputs import require_free_output, write_atomically
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.report import advise_budget, write_report
 from dflash_train.suites import DEFAULT_SUITE, Prompt, load_suite
@@ -166,7 +166,8 @@ def main(argv=None):
     args = parse_args(argv)
     budgets = parse_budgets(args.budgets)
     out = Path(args.output)
-    require_free_output(out, args.overwrite)
+    require_free_output(out, args.overwrite, "eval", [("--drafter", args.drafter), ("--target", args.target),
+                                                      ("--verify-times", args.verify_times)])
     device_costs = None
     if args.verify_times:
         try:
@@ -209,9 +210,7 @@ def main(argv=None):
         "advice": advise_budget(results, device_costs),
         "command": "dflash-eval " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    if out.exists() and args.overwrite:
-        shutil.rmtree(out)
-    write_atomically(out, lambda tmp: write_report(tmp, report))
+    write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())
 
 

@@ -83,7 +83,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
     busy.mkdir()
     (busy / "x").write_text("keep")
     cases = [
-        (["--drafter", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")], "is not a drafter folder"),
+        (["--drafter", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")], "drafter not found"),
         (["--drafter", str(trained_drafter_dir), "--target", str(llama_target_dir), "--output", str(tmp_path / "o2")],
          "does not match target"),
         (["--drafter", str(trained_drafter_dir), "--suite", "nope", "--output", str(tmp_path / "o3")],

@@ -61,7 +61,7 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias,
+        attention_bias=tc.attention_bias, block_attention=m.block_attention,
     )
 
 
@@ -74,7 +74,8 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     check_matches_target(drafter.config, target)
     loaded = drafter.config
     for key, field in [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
-                       ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id")]:
+                       ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
+                       ("block_attention", "block_attention")]:
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
                             f"{getattr(cfg, field)}: set model.{key} to match")

@@ -35,6 +35,8 @@ class ModelConfig(Section):
     # ...or an embedding row given by id, for targets whose tokenizer has no mask token: Qwen3
     # has 151669 tokens but 151936 embedding rows, and DFlash uses row 151669 as its mask.
     mask_token_id: int | None = Field(None, ge=0)
+    # In-block attention: bidirectional (DFlash) or causal (JetSpec-style: slot i sees slots <= i).
+    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None

@@ -201,17 +201,14 @@ def count_parameters(drafter: torch.nn.Module) -> int:
 
 # --- training checkpoints: everything an exact resume needs --------------------------------------
 
-def save_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict,
-                    weights: dict | None = None) -> None:
-    """checkpoints/step_N/: the drafter (loadable like final/) plus `state` (step, optimizer,
-    scheduler, data position, RNG, counters), written to a temporary folder and renamed, so a
-    restart never sees half a checkpoint."""
-    def write(tmp: Path):
-        write_drafter(tmp, drafter, target, recipe_yaml, weights)
-        torch.save(state, tmp / "trainer_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
-
-    write_atomically(folder, write)
+def write_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict,
+                     weights: dict | None = None) -> None:
+    """Into `folder` (a temporary folder the trainer renames to checkpoints/step_N/ when complete):
+    the drafter (loadable like final/) plus `state` (step, optimizer, scheduler, data position,
+    counters); trainer_state.json last, so it marks a complete checkpoint."""
+    write_drafter(folder, drafter, target, recipe_yaml, weights)
+    torch.save(state, folder / "trainer_state.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
 
 
 def newest_checkpoint(out: Path) -> Path | None:

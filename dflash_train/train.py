@@ -21,7 +21,6 @@ Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -32,26 +31,28 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_train.blocks import anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
 from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
-                                     save_checkpoint, save_drafter)
+                                     save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import collate, load_conversations
+from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
+                                  gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
+                                  make_accelerator, shards_itself, whole_model_loading)
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import open_cache
 from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, slot_weights
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target
 
+DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
 # Recipe keys that may change between a run and its resumption (they do not affect the math).
-RESUMABLE_CHANGES = {"overwrite", "log_every", "checkpoint_every", "wandb"}
+RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb"}
 
 
 class EpochSampler(Sampler):
@@ -172,21 +173,19 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = load_recipe(args.recipe, args.overrides)
     precision = choose_precision(cfg)
-    # accelerate sets up multi-process gloo on CPU-only hosts (torchrun, `accelerate launch
-    # --multi_gpu`) only when told cpu=True; with one process or CUDA it picks the device itself.
-    cpu_ddp = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=cpu_ddp, mixed_precision=precision, log_with="wandb" if cfg.wandb.enabled else None)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.train.grad_accum > 1:
-        raise UserError("train.grad_accum > 1 with DeepSpeed: its engine owns accumulation; set "
-                        "gradient_accumulation_steps in the DeepSpeed config and keep train.grad_accum=1")
+    engine = launched_engine()  # single, ddp, fsdp or deepspeed (engines.py)
+    accelerator = make_accelerator(engine, precision, "wandb" if cfg.wandb.enabled else None)
+    if engine == "deepspeed":
+        configure_deepspeed(accelerator, cfg.train.clip_grad, cfg.train.grad_accum)
     resume = prepare_output_dir(cfg, accelerator)
     out = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)  # the drafter's initial weights
 
     # --- target, drafter, data -------------------------------------------------------------
-    target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
-                         dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-                         trust_remote_code=cfg.model.trust_remote_code)
+    with whole_model_loading(accelerator, engine):
+        target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
+                             dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                             trust_remote_code=cfg.model.trust_remote_code)
     drafter = init_drafter(target, cfg.model)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
@@ -211,19 +210,33 @@ def main(argv=None):
         raise UserError(f"data.train has {len(train_ds)} usable conversations, fewer than one global batch "
                         f"({cfg.train.batch_size} x {accelerator.num_processes} processes)")
 
-    # --- optimizer and schedule (stepped once per optimizer step, on every process) --------
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
-                            weight_decay=cfg.train.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
+    # --- distribution, optimizer and schedule (stepped once per optimizer step, on every process)
     start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
-    if resume:
+    if resume:  # full weights go in before any sharding; the optimizer state after it
         weights, state = load_checkpoint(resume)
+        if (state["engine"] == "deepspeed") != (engine == "deepspeed"):
+            raise UserError(f"cannot resume from {resume}: it was written under {state['engine']} and this run uses "
+                            f"{engine} (DeepSpeed checkpoints resume under DeepSpeed only)")
         drafter.load_state_dict(weights)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
         start_step, epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
         tokens, train_time = state["tokens"], state["train_time"]
-    drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
+    self_sharded = shards_itself(engine, accelerator)
+    if self_sharded:
+        fully_shard_drafter(drafter, accelerator)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                            weight_decay=cfg.train.weight_decay)
+    raw_opt = opt  # accelerate wraps it; the state-dict API wants the torch optimizer
+    sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
+    if self_sharded:
+        opt, train_dl = accelerator.prepare(opt, train_dl)
+    else:
+        drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
+    if resume:
+        sched.load_state_dict(state["scheduler"])
+        if engine == "deepspeed":
+            accelerator.load_state(str(resume / DEEPSPEED_STATE))
+        else:
+            load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
     if cfg.wandb.enabled:
         accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
             "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
@@ -233,7 +246,7 @@ def main(argv=None):
         f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
         f"{len(train_ds)} train / {len(val_ds)} val conversations; hidden states "
         f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
-        f"{accelerator.device} x{accelerator.num_processes}" + (f"; resuming from {resume}" if resume else ""))
+        f"{accelerator.device} x{accelerator.num_processes} ({engine})" + (f"; resuming from {resume}" if resume else ""))
 
     # --- loop ---------------------------------------------------------------------------------
     metrics_file = None
@@ -263,8 +276,7 @@ def main(argv=None):
 
         loss_sum, step_tokens, counts = 0.0, 0, None
         for i, (batch, anchors, anchor_valid) in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
-            with sync, accelerator.autocast():
+            with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
                 o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id,
                                     cfg.loss.ce_labels, cache)
                 loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
@@ -286,7 +298,8 @@ def main(argv=None):
         train_time += time.time() - t0
 
         live = acceptance_metrics(counts)
-        grad_norm = None if grad_norm is None else round(float(grad_norm), 6)  # DeepSpeed clips inside its engine
+        grad_norm = grad_norm_of(drafter, engine, grad_norm)
+        grad_norm = None if grad_norm is None else round(grad_norm, 6)
         record = {"step": step, "loss": round(loss_sum, 6), "lr": lr, "grad_norm": grad_norm,
                   "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4), "tokens": tokens,
                   "train_tokens_per_s": round(tokens / train_time, 1), "elapsed_s": round(time.time() - t_start, 2)}
@@ -303,23 +316,19 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss_sum:.3f}", eal=f"{live['eal']:.2f}", lr=f"{lr:.1e}")
         bar.update(1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-            weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
-            if accelerator.is_main_process:
-                save_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator.unwrap_model(drafter), target,
-                                dump_recipe(cfg), weights=weights, state={"step": step, "optimizer": opt.state_dict(),
-                                                   "scheduler": sched.state_dict(), "epoch": epoch,
+            save_training_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator, engine, drafter, raw_opt,
+                                     target, cfg, {"step": step, "scheduler": sched.state_dict(), "epoch": epoch,
                                                    "batches_in_epoch": in_epoch, "tokens": tokens,
                                                    "train_time": train_time})
-            accelerator.wait_for_everyone()
     bar.close()
 
     # --- outputs -------------------------------------------------------------------------------
-    weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
+    weights = full_model_state(accelerator, drafter, engine)  # a collective under FSDP / ZeRO-3
     if accelerator.is_main_process:
         save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg), weights)
         summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
                    "train_tokens_per_s": round(tokens / max(train_time, 1e-9), 1), "train_tokens": tokens,
-                   "resumed_from_step": start_step, "processes": accelerator.num_processes,
+                   "resumed_from_step": start_step, "processes": accelerator.num_processes, "engine": engine,
                    "device": str(accelerator.device), "precision": "bf16" if precision == "bf16" else "fp32",
                    "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
                    "target": cfg.model.target, "target_layer_ids": layer_ids, "block_size": B,
@@ -331,6 +340,29 @@ def main(argv=None):
               f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
               f"{val['acc_per_position'][0]:.3f}; drafter in {out / 'final'}")
     accelerator.end_training()
+
+
+def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,
+                             state: dict) -> None:
+    """checkpoints/step_N/: the full drafter weights (loadable like final/) plus what an exact
+    resume needs. Every process takes part (gathers under FSDP / ZeRO); the main process writes
+    into a temporary folder that is renamed only when complete, so a restart never picks half a
+    checkpoint. DeepSpeed's engine writes its own sharded state into it first."""
+    weights = full_model_state(accelerator, drafter, engine)
+    optimizer = None if engine == "deepspeed" else full_optimizer_state(accelerator, drafter, opt)
+    tmp = folder.with_name(f".{folder.name}.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    if engine == "deepspeed":  # optimizer partitions, per process
+        accelerator.save_state(str(tmp / DEEPSPEED_STATE))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_checkpoint(tmp, accelerator.unwrap_model(drafter), target, dump_recipe(cfg),
+                        state={**state, "optimizer": optimizer, "engine": engine}, weights=weights)
+        os.replace(tmp, folder)
+    accelerator.wait_for_everyone()
 
 
 def flat_for_tracker(record: dict) -> dict:

@@ -332,7 +332,10 @@ def main(argv=None):
                    "device": str(accelerator.device), "precision": "bf16" if precision == "bf16" else "fp32",
                    "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
                    "target": cfg.model.target, "target_layer_ids": layer_ids, "block_size": B,
-                   "hidden_states": "cache" if cache else "online", "eval": val}
+                   "hidden_states": "cache" if cache else "online", "eval": val,
+                   # this process's peak (all processes hold the same shapes under DDP; a shard under FSDP/ZeRO)
+                   "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                   if accelerator.device.type == "cuda" else None}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metrics_file.close()
         tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())

@@ -1,7 +1,7 @@
 """Peak memory and time of one loss evaluation + backward at Qwen3's vocabulary (151,936) on CPU,
 unchunked vs chunked (`loss.chunk_slots`, dflash_train/loss.py).
 
-    .venv/bin/python benchmarks/loss_memory.py                  # 960 slots (64 anchors x 15), ~2 min
+    .venv/bin/python benchmarks/loss_memory.py                  # 1,920 slots (128 anchors x 15), ~5 min
     .venv/bin/python benchmarks/loss_memory.py --anchors 512 --no-unchunked   # 7,680 slots, chunked only
 
 The inputs are what the training step hands the loss: the drafter's and the target's hidden states
@@ -66,14 +66,14 @@ def run_child(args, chunk: int) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--anchors", type=int, default=64, help="blocks (anchors) in the batch")
+    p.add_argument("--anchors", type=int, default=128, help="blocks (anchors) in the batch")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--hidden", type=int, default=512, help="hidden size (only the head's matmul cost depends on it)")
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
     p.add_argument("--terms", default='{"ce": 0.1, "tv": 0.9}', help="loss.terms as JSON")
     p.add_argument("--position-weight", default="exp", choices=["exp", "dpace", "uniform"])
-    p.add_argument("--chunks", type=int, nargs="+", default=[1024, 240], help="chunk_slots values to measure")
-    p.add_argument("--no-unchunked", action="store_true", help="skip chunk_slots=0 (needs ~9 x slots x V x 4 bytes)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1024, 512, 240], help="chunk_slots values to measure")
+    p.add_argument("--no-unchunked", action="store_true", help="skip chunk_slots=0 (needs ~7 x slots x V x 4 bytes)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()

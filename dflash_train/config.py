@@ -73,7 +73,7 @@ class LossConfig(Section):
     until_first_failure: bool = False  # AUF: supervise each block only through its first argmax miss
     # Slots per chunk of the full-vocabulary loss (rounded down to whole blocks): bounds its
     # memory to a few [chunk_slots, V] fp32 tensors; 0 = the whole batch at once.
-    chunk_slots: int = Field(1024, ge=0)
+    chunk_slots: int = Field(512, ge=0)
 
     @model_validator(mode="after")
     def _some_loss(self):

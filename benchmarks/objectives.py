@@ -129,7 +129,8 @@ def main():
     table = "\n".join(lines)
     print(f"\n{prompts} prompts per eval, seed {args.seed}, overrides {common}\n\n{table}")
     (out / "objectives.md").write_text(table + "\n")
-    (out / "objectives.json").write_text(json.dumps({"common": common, "rows": results, "skipped": skipped}, indent=2) + "\n")
+    record = {"common": common, "rows": results, "skipped": skipped}
+    (out / "objectives.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,8 @@ def spec_loss(draft, target, valid, spec_terms: dict, decay_fn):
     mask = with_anchor_slot(valid.reshape(n, K))
     pos = with_anchor_slot(torch.arange(1, K + 1).expand(n, K))
     fns = {name: (SPECULATORS[name], w) for name, w in spec_terms.items()}
-    loss, _ = compound_loss(logits, targets, mask, pos, fns, decay_fn=partial(decay_fn, loss_mask=mask, block_size=K + 1))
+    decay_fn = partial(decay_fn, loss_mask=mask, block_size=K + 1)
+    loss, _ = compound_loss(logits, targets, mask, pos, fns, decay_fn=decay_fn)
     return loss
 
 
@@ -162,7 +163,8 @@ def test_until_first_failure_supervises_exactly_through_the_first_miss(weighting
     ok = correct | ~valid
     expect = valid & (torch.cumprod(torch.cat([torch.ones_like(ok[..., :1]), ok[..., :-1]], -1).long(), -1) > 0)
     assert torch.equal(reached, expect) and (expect.sum() < valid.sum())
-    full, _ = dflash_loss(draft, target, torch.nn.Identity(), labels, valid, cfg.model_copy(update={"until_first_failure": False}))
+    without = cfg.model_copy(update={"until_first_failure": False})
+    full, _ = dflash_loss(draft, target, torch.nn.Identity(), labels, valid, without)
     assert loss < full  # same divisor, fewer slots in the numerator
 
 

@@ -8,8 +8,8 @@
 Each step: a batch of conversations -> the target's trunk (no grad; or the hidden-state cache)
 gives the tapped hidden states and its own next-token distributions -> random anchors among
 assistant tokens -> the drafter predicts every anchored block [anchor token, MASK x (B-1)] in
-one pass -> loss (CE to the target's tokens and/or KL to its distributions, weighted by block
-slot) -> backward, clip, AdamW, cosine schedule.
+one pass -> loss (the recipe's terms, e.g. CE to the target's tokens, KL or TV to its
+distributions, weighted by block slot; dflash_train/loss.py) -> backward, clip, AdamW, cosine schedule.
 
 Exactness: anchors are drawn per dataset row, the data order is a pure function of (seed,
 epoch), and the loss is normalised by the slot weights of the whole optimizer step across
@@ -45,7 +45,7 @@ from dflash_train.engines import (configure_deepspeed, full_model_state, full_op
                                   make_accelerator, shards_itself, whole_model_loading)
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import open_cache
-from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, slot_weights
+from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, loss_divisor
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target
 
@@ -81,14 +81,16 @@ def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: 
 
 @torch.no_grad()
 def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
-    """Held-out loss, per-position accuracy, chain EAL and teacher-forced DDTree tau at the
-    recipe's budgets, with fixed anchors; each process takes every P-th conversation and the
-    counts are summed, so the result does not depend on the process count."""
+    """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
+    EAL and teacher-forced DDTree tau at the recipe's budgets, with fixed anchors; each process
+    takes every P-th conversation and the counts are summed, so the result does not depend on
+    the process count."""
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    budgets = cfg.eval.ddtree_budgets
-    totals = torch.zeros(2 + 2 * (B - 1) + 2 + len(budgets) + 1, dtype=torch.float64)
+    budgets, T, K = cfg.eval.ddtree_budgets, len(cfg.loss.terms), B - 1
+    # loss and term numerators, the divisor, acceptance counts, tree counts: all summable
+    totals = torch.zeros(1 + T + 1 + 3 * K + 2 + len(budgets) + 1, dtype=torch.float64)
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
@@ -97,21 +99,29 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
         batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
-            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cfg.loss.ce_labels)
-            loss_sum, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                      cfg.loss.kl_weight, o.target_logits, normalizer=1.0)
-        if not chunk:
-            continue
-        w_sum = slot_weights(o.valid, cfg.loss.gamma).sum()
-        totals += torch.cat([torch.stack([loss_sum.double().cpu(), w_sum.double().cpu()]),
-                             acceptance_counts(m["correct"], m["valid"]).cpu(),
-                             ddtree_acceptance(o.draft_logits.float().cpu(), o.labels.cpu(), o.valid.cpu(), budgets,
-                                               cfg.eval.ddtree_max_blocks)])
+            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id)
+            loss_sum, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                                      normalizer=1.0)
+            if not chunk:
+                continue
+            # teacher-forced trees from the drafter's block distributions, a chunk of blocks at a time
+            hidden, labels, valid = (x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks]
+                                     for x in (o.draft_hidden, m["labels"], o.valid))
+            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(hidden)
+            tree = sum((ddtree_acceptance(target.lm_head(hidden[j : j + n]).float().cpu(), labels[j : j + n].cpu(),
+                                          valid[j : j + n].cpu(), budgets, n)
+                        for j in range(0, len(hidden), n)), torch.zeros(len(budgets) + 1, dtype=torch.float64))
+        totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
+                                          loss_divisor(o.valid, cfg.loss).double().cpu()]),
+                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree])
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    counts, tree = totals[2 : 2 + 2 * (B - 1) + 2], totals[2 + 2 * (B - 1) + 2 :]
+    divisor = totals[1 + T].clamp(min=1e-8)
+    counts, tree = totals[2 + T : 2 + T + 3 * K + 2], totals[2 + T + 3 * K + 2 :]
     blocks = max(tree[-1].item(), 1.0)
-    return {"loss": (totals[0] / totals[1].clamp(min=1e-8)).item(), **acceptance_metrics(counts),
+    return {"loss": (totals[0] / divisor).item(),
+            "terms": {name: (totals[1 + t] / divisor).item() for t, name in enumerate(cfg.loss.terms)},
+            **acceptance_metrics(counts),
             "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)}}
 
 
@@ -269,27 +279,29 @@ def main(argv=None):
             batch = batch.to(accelerator.device)
             anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
             micro.append((batch, anchors, anchor_valid))
-        w_local = sum(slot_weights(block_slots(b, a, v, B)[1], cfg.loss.gamma).sum() for b, a, v in micro)
+        w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
         w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
         # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
         normalizer = (w_total / accelerator.num_processes).float()
 
-        loss_sum, step_tokens, counts = 0.0, 0, None
+        loss_sum, step_tokens, terms, counts = 0.0, 0, 0.0, None
         for i, (batch, anchors, anchor_valid) in enumerate(micro):
             with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
-                o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id,
-                                    cfg.loss.ce_labels, cache)
-                loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                      cfg.loss.kl_weight, o.target_logits, normalizer=normalizer)
+                o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cache)
+                loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                                      normalizer=normalizer)
                 accelerator.backward(loss)
             loss_sum += loss.item()
-            c = acceptance_counts(m["correct"], m["valid"])
+            terms = terms + m["terms"].double().cpu()
+            c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
             counts = c if counts is None else counts + c
             step_tokens += int(batch.attention_mask.sum())
-        # One small all-reduce so the logged loss, acceptance and tokens cover every process.
-        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu()])
+        # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
+        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms])
         stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
-        loss_sum, tokens, counts = stats[0].item() / accelerator.num_processes, tokens + int(stats[1]), stats[2:]
+        loss_sum, tokens = stats[0].item() / accelerator.num_processes, tokens + int(stats[1])
+        counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
+        terms = {name: round(v, 6) for name, v in zip(cfg.loss.terms, terms.tolist())}
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
         lr = sched.get_last_lr()[0]  # the rate this step uses
         opt.step()
@@ -300,13 +312,16 @@ def main(argv=None):
         live = acceptance_metrics(counts)
         grad_norm = grad_norm_of(drafter, engine, grad_norm)
         grad_norm = None if grad_norm is None else round(grad_norm, 6)
-        record = {"step": step, "loss": round(loss_sum, 6), "lr": lr, "grad_norm": grad_norm,
-                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4), "tokens": tokens,
+        record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
+                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
+                  "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": tokens,
                   "train_tokens_per_s": round(tokens / train_time, 1), "elapsed_s": round(time.time() - t_start, 2)}
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
             val = validate(accelerator, drafter, target, val_ds, collate_fn, cfg, layer_ids, mask_id)
             record.update({"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
+                           "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
                            "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
+                           "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
                            "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()}})
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
@@ -341,7 +356,7 @@ def main(argv=None):
         tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
         print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
               f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
-              f"{val['acc_per_position'][0]:.3f}; drafter in {out / 'final'}")
+              f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
     accelerator.end_training()
 
 
@@ -369,10 +384,16 @@ def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, op
 
 
 def flat_for_tracker(record: dict) -> dict:
-    """metrics.jsonl record -> scalar keys for wandb (val/acc_k, val/ddtree_tau@budget)."""
+    """metrics.jsonl record -> scalar keys for wandb (loss/<term>, alpha_k, val/loss/<term>,
+    val/acc_k, val/alpha_k, val/ddtree_tau@budget)."""
     flat = {k: v for k, v in record.items() if not isinstance(v, (list, dict))}
-    for k, acc in enumerate(record.get("val_acc_per_position", []), start=1):
-        flat[f"val/acc_{k}"] = acc
+    for key, prefix in [("terms", "loss/"), ("val_terms", "val/loss/")]:
+        for name, v in record.get(key, {}).items():
+            flat[prefix + name] = v
+    for key, name in [("alpha_per_position", "alpha"), ("val_acc_per_position", "val/acc"),
+                      ("val_alpha_per_position", "val/alpha")]:
+        for k, v in enumerate(record.get(key, []), start=1):
+            flat[f"{name}_{k}"] = v
     for budget, tau in record.get("val_ddtree_tau", {}).items():
         flat[f"val/ddtree_tau@{budget}"] = tau
     return flat

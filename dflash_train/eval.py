@@ -1,12 +1,17 @@
-"""`dflash-eval`: acceptance of a drafter under AR, the DFlash chain and DDTree at a sweep of budgets.
+"""`dflash-eval`: acceptance and speed of a drafter under AR, the DFlash chain and DDTree at a sweep of budgets.
 
-    dflash-eval --drafter runs/demo/final --budgets 0,4,16,64,256 --output runs/demo/eval
-    dflash-eval --drafter D --target T --suite gsm8k --suite mt-bench --temperature 1.0 --output R
+    dflash-eval --drafter runs/demo/final --budgets 4,16,64,256 --output runs/demo/eval
+    dflash-eval --drafter D --target T --suite gsm8k --suite mt-bench --temperature 1.0 --repeats 3 --output R
 
-For each suite and method: tau (tokens per target forward, bonus included, macro-averaged over
-prompts as the DDTree paper does), the acceptance-length histogram, tokens/s and time per
-stage (prefill excluded), and at temperature 0 `lossless`: every chain and DDTree output equals
-the AR greedy output token for token. Writes report.json, report.md and PNG plots to --output.
+Every prompt is decoded by every method back to back, in an order rotated from prompt to
+prompt (`sweep_order`), so a change in machine load lands on all of them. For each suite and
+method: tau (tokens per target forward, bonus included, macro-averaged over prompts as the
+DDTree paper does), the acceptance-length histogram, the speedup over AR (the median of
+per-prompt time ratios, with a bootstrap interval: dflash_train/speed.py), medians of tokens/s
+and of the time per stage (prefill excluded), the speedup predicted at each --concurrency from a
+cost curve measured here (dflash_train/costs.py), and at temperature 0 `lossless`: every chain
+and DDTree output equals the AR greedy output token for token. Writes report.json, report.md
+and PNG plots to --output.
 """
 
 import json

@@ -339,8 +339,8 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if not math.isfinite(args.temperature) or args.temperature < 0:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
+    if args.max_new_tokens < 2:
+        p.error("--max-new-tokens must be >= 2 (the first token comes from the prefill; rounds decode the rest)")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
     if args.repeats < 1:
@@ -401,6 +401,8 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
         n = len(prompts)
         draws = speed.resample(n, args.repeats)
         by_method = {m: [x for x in samples if x.suite == s and (x.method, x.budget) == m] for m in methods}
+        if not any(x.accept_lengths for x in by_method[("ar", 0)]):
+            raise UserError(f"suite '{name}': every reply ended at its first token, so no decoding round was timed")
         rows, measured = {}, {}
         for m in methods:
             rows[m], measured[m] = summarize(by_method[m], by_method[("ar", 0)], name, n, args, block_size, draws)

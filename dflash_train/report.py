@@ -53,7 +53,8 @@ def markdown(report: dict) -> str:
             s = r["stage_ms_per_round"]
             lossless = {True: "yes", False: "**NO**", None: "n/a (T>0)"}[r["lossless"]]
             lines.append(f"{_method(r)} {r['tau']:.2f} | {_speedup(r['speedup'], r['speedup_interval'])} | "
-                         f"{r['tokens_per_s']} | {lossless} | " + " | ".join(f"{s[k]:.2f}" for k in s) + " |")
+                         f"{r['tokens_per_s']} | {lossless} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:.2f}" for k in s)
+                         + " |")
         lines += ["", f"**Measured here, one request at a time:** {verdict_text(adv['measured'])}", "",
                   "Predicted speedup over AR when N requests share one verify forward "
                   "(width N x (budget + 1)), from this eval's cost curve:", ""]

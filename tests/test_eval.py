@@ -23,9 +23,13 @@ def report(trained_drafter_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval") / "report"
     mt = out.parent / "mt.jsonl"
     mt.write_text(json.dumps({"prompt": ["What is 12 + 30?", "Thank you!"]}) + "\n")
+    gpu = out.parent / "gpu_costs.json"  # the keys benchmarks/gpu_costs.py writes
+    gpu.write_text(json.dumps({"device": "Some GPU", "verify_ms_by_width": {"1": 10, "64": 10.5, "1024": 20},
+                               "draft_ms": 1.0, "draft_ms_by_batch": {"1": 1.0, "4": 1.2},
+                               "tree_build_ms_by_budget": {"16": 0.5, "64": 1.0}}))
     main(["--drafter", str(trained_drafter_dir), "--budgets", "0,4,64", "--limit", "6", "--max-new-tokens", "32",
           "--suite", "tinychat", "--suite", f"mt-bench={mt}", "--repeats", "2", "--concurrency", "1,4",
-          "--output", str(out)])
+          "--verify-times", str(gpu), "--output", str(out)])
     return out, json.loads((out / "report.json").read_text())
 
 
@@ -46,6 +50,7 @@ def test_report_results(report):
         assert lo <= r["speedup"] <= hi
         assert set(r["predicted"]) == {"1", "4"}
         assert r["predicted"]["4"]["verify_width"] == 4 * (r["budget"] + 1)
+        assert set(r["predicted_on_device"]) == {"1", "4"}
     by = {(r["suite"], r["method"], r["budget"]): r for r in rows}
     for s in ["tinychat", "mt-bench"]:
         ar = by[(s, "ar", 0)]
@@ -87,6 +92,7 @@ def test_report_markdown_and_plots(report):
     assert "| ddtree | 0 |" not in md
     assert "Measured here, one request at a time:" in md and "- 4 requests:" in md
     assert verdict_text(rep["advice"]["tinychat"]["measured"]) in md
+    assert "Predicted on Some GPU" in md and rep["advice"]["tinychat"]["device"]["name"] == "Some GPU"
     for png in ["tau_vs_budget.png", "accept_hist.png", "speedup_vs_budget.png", "verify_cost.png"]:
         img = mpimg.imread(out / png)
         assert img.ndim == 3 and img.shape[0] > 100 and img.std() > 0  # a real, non-blank image
@@ -218,6 +224,7 @@ def test_cheap_inputs_are_checked_before_any_loading(tmp_path, capsys, trained_d
         (["--device", "bogus"], "--device 'bogus' is not a device"),
         (["--device", "mps"], "--device 'mps' is not supported"),
         (["--limit", "0"], "--limit must be >= 1"),
+        (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
         (["--repeats", "0"], "--repeats must be >= 1"),
         (["--concurrency", "0,4"], "--concurrency must be integers >= 1"),
         (["--concurrency", "4,x"], "--concurrency must be comma-separated integers"),

@@ -2,8 +2,10 @@
 
 For a batch [b, T]: anchors [b, A] (block j = [token at anchor j, MASK x (B-1)]), the target's
 taps (online forward or offline cache), one drafter pass over all A*B block tokens, and for
-every drafted slot k = 1..B-1 the drafter's logits, the target's logits and label, and whether
-the slot counts (inside the sequence, on an assistant token, anchor valid).
+every drafted slot k = 1..B-1 the drafter's hidden state, the target's hidden state that
+predicts the same token, the data's token there, and whether the slot counts (inside the
+sequence, on an assistant token, anchor valid). Both go through the target's LM head in the
+loss, chunk by chunk (dflash_train/loss.py): [b, A, K, V] logits are never built whole.
 """
 
 from dataclasses import dataclass
@@ -18,9 +20,9 @@ from dflash_train.target import Target, target_forward
 
 @dataclass
 class BlockOutputs:
-    draft_logits: torch.Tensor  # [b, A, K, V], K = B-1 drafted slots
-    target_logits: torch.Tensor  # [b, A, K, V], the target's distribution for the same tokens
-    labels: torch.Tensor  # [b, A, K]
+    draft_hidden: torch.Tensor  # [b, A, K, H], K = B-1 drafted slots; logits = target.lm_head(.)
+    target_hidden: torch.Tensor  # [b, A, K, H], the target's final-normed state predicting the same tokens
+    tokens: torch.Tensor  # [b, A, K], the data's token at each slot
     valid: torch.Tensor  # [b, A, K] bool
 
 
@@ -40,8 +42,7 @@ def block_slots(batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor,
 
 
 def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
-                    block_size: int, mask_id: int, ce_labels: str = "target",
-                    cache: HiddenStateCache | None = None) -> BlockOutputs:
+                    block_size: int, mask_id: int, cache: HiddenStateCache | None = None) -> BlockOutputs:
     """One target pass (or a cache read) and one drafter pass over every anchored block of the batch."""
     ids = batch.input_ids
     b, T = ids.shape
@@ -57,13 +58,12 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
         pos, valid = block_slots(batch, anchors, anchor_valid, block_size)  # [b, A, K]
         # The target's distribution for the token at a+k is its output at a+k-1.
         H = last.shape[-1]
-        t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H))
-        target_logits = target.lm_head(t_hidden).view(b, A, K, -1)
-        labels = target_logits.argmax(-1) if ce_labels == "target" else ids.gather(1, pos.flatten(1)).view(b, A, K)
+        t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H)).view(b, A, K, H)
+        tokens = ids.gather(1, pos.flatten(1)).view(b, A, K)
     hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool())  # [b, A*B, H]
-    # slots 1..B-1, made contiguous: the LM head is then one matmul, not A small batched ones
-    hidden = hidden.view(b, A, block_size, -1)[:, :, 1:].reshape(b, A * K, -1)
-    return BlockOutputs(target.lm_head(hidden).view(b, A, K, -1), target_logits, labels, valid)
+    # slots 1..B-1, made contiguous: the LM head is then one matmul per chunk, not A small batched ones
+    hidden = hidden.view(b, A, block_size, -1)[:, :, 1:].contiguous()
+    return BlockOutputs(hidden, t_hidden, tokens, valid)
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],

@@ -8,8 +8,8 @@
 Each step: a batch of conversations -> the target's trunk (no grad; or the hidden-state cache)
 gives the tapped hidden states and its own next-token distributions -> random anchors among
 assistant tokens -> the drafter predicts every anchored block [anchor token, MASK x (B-1)] in
-one pass -> loss (CE to the target's tokens and/or KL to its distributions, weighted by block
-slot) -> backward, clip, AdamW, cosine schedule.
+one pass -> loss (the recipe's terms, e.g. CE to the target's tokens, KL or TV to its
+distributions, weighted by block slot; dflash_train/loss.py) -> backward, clip, AdamW, cosine schedule.
 
 Exactness: anchors are drawn per dataset row, the data order is a pure function of (seed,
 epoch), and the loss is normalised by the slot weights of the whole optimizer step across
@@ -21,7 +21,6 @@ Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -32,26 +31,28 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_train.blocks import anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
 from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
-                                     save_checkpoint, save_drafter)
+                                     save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import collate, load_conversations
+from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
+                                  gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
+                                  make_accelerator, shards_itself, whole_model_loading)
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import open_cache
-from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, slot_weights
+from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, loss_divisor
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target
 
+DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
 # Recipe keys that may change between a run and its resumption (they do not affect the math).
-RESUMABLE_CHANGES = {"overwrite", "log_every", "checkpoint_every", "wandb"}
+RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb"}
 
 
 class EpochSampler(Sampler):
@@ -80,14 +81,16 @@ def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: 
 
 @torch.no_grad()
 def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
-    """Held-out loss, per-position accuracy, chain EAL and teacher-forced DDTree tau at the
-    recipe's budgets, with fixed anchors; each process takes every P-th conversation and the
-    counts are summed, so the result does not depend on the process count."""
+    """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
+    EAL and teacher-forced DDTree tau at the recipe's budgets, with fixed anchors; each process
+    takes every P-th conversation and the counts are summed, so the result does not depend on
+    the process count."""
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    budgets = cfg.eval.ddtree_budgets
-    totals = torch.zeros(2 + 2 * (B - 1) + 2 + len(budgets) + 1, dtype=torch.float64)
+    budgets, T, K = cfg.eval.ddtree_budgets, len(cfg.loss.terms), B - 1
+    # loss and term numerators, the divisor, acceptance counts, tree counts: all summable
+    totals = torch.zeros(1 + T + 1 + 3 * K + 2 + len(budgets) + 1, dtype=torch.float64)
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
@@ -96,21 +99,29 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
         batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
-            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cfg.loss.ce_labels)
-            loss_sum, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                      cfg.loss.kl_weight, o.target_logits, normalizer=1.0)
-        if not chunk:
-            continue
-        w_sum = slot_weights(o.valid, cfg.loss.gamma).sum()
-        totals += torch.cat([torch.stack([loss_sum.double().cpu(), w_sum.double().cpu()]),
-                             acceptance_counts(m["correct"], m["valid"]).cpu(),
-                             ddtree_acceptance(o.draft_logits.float().cpu(), o.labels.cpu(), o.valid.cpu(), budgets,
-                                               cfg.eval.ddtree_max_blocks)])
+            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id)
+            loss_sum, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                                      normalizer=1.0)
+            if not chunk:
+                continue
+            # teacher-forced trees from the drafter's block distributions, a chunk of blocks at a time
+            hidden, labels, valid = (x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks]
+                                     for x in (o.draft_hidden, m["labels"], o.valid))
+            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(hidden)
+            tree = sum((ddtree_acceptance(target.lm_head(hidden[j : j + n]).float().cpu(), labels[j : j + n].cpu(),
+                                          valid[j : j + n].cpu(), budgets, n)
+                        for j in range(0, len(hidden), n)), torch.zeros(len(budgets) + 1, dtype=torch.float64))
+        totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
+                                          loss_divisor(o.valid, cfg.loss).double().cpu()]),
+                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree])
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    counts, tree = totals[2 : 2 + 2 * (B - 1) + 2], totals[2 + 2 * (B - 1) + 2 :]
+    divisor = totals[1 + T].clamp(min=1e-8)
+    counts, tree = totals[2 + T : 2 + T + 3 * K + 2], totals[2 + T + 3 * K + 2 :]
     blocks = max(tree[-1].item(), 1.0)
-    return {"loss": (totals[0] / totals[1].clamp(min=1e-8)).item(), **acceptance_metrics(counts),
+    return {"loss": (totals[0] / divisor).item(),
+            "terms": {name: (totals[1 + t] / divisor).item() for t, name in enumerate(cfg.loss.terms)},
+            **acceptance_metrics(counts),
             "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)}}
 
 
@@ -172,21 +183,19 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = load_recipe(args.recipe, args.overrides)
     precision = choose_precision(cfg)
-    # accelerate sets up multi-process gloo on CPU-only hosts (torchrun, `accelerate launch
-    # --multi_gpu`) only when told cpu=True; with one process or CUDA it picks the device itself.
-    cpu_ddp = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=cpu_ddp, mixed_precision=precision, log_with="wandb" if cfg.wandb.enabled else None)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.train.grad_accum > 1:
-        raise UserError("train.grad_accum > 1 with DeepSpeed: its engine owns accumulation; set "
-                        "gradient_accumulation_steps in the DeepSpeed config and keep train.grad_accum=1")
+    engine = launched_engine()  # single, ddp, fsdp or deepspeed (engines.py)
+    accelerator = make_accelerator(engine, precision, "wandb" if cfg.wandb.enabled else None)
+    if engine == "deepspeed":
+        configure_deepspeed(accelerator, cfg.train.clip_grad, cfg.train.grad_accum)
     resume = prepare_output_dir(cfg, accelerator)
     out = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)  # the drafter's initial weights
 
     # --- target, drafter, data -------------------------------------------------------------
-    target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
-                         dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-                         trust_remote_code=cfg.model.trust_remote_code)
+    with whole_model_loading(accelerator, engine):
+        target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
+                             dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                             trust_remote_code=cfg.model.trust_remote_code)
     drafter = init_drafter(target, cfg.model)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
@@ -211,19 +220,33 @@ def main(argv=None):
         raise UserError(f"data.train has {len(train_ds)} usable conversations, fewer than one global batch "
                         f"({cfg.train.batch_size} x {accelerator.num_processes} processes)")
 
-    # --- optimizer and schedule (stepped once per optimizer step, on every process) --------
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
-                            weight_decay=cfg.train.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
+    # --- distribution, optimizer and schedule (stepped once per optimizer step, on every process)
     start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
-    if resume:
+    if resume:  # full weights go in before any sharding; the optimizer state after it
         weights, state = load_checkpoint(resume)
+        if (state["engine"] == "deepspeed") != (engine == "deepspeed"):
+            raise UserError(f"cannot resume from {resume}: it was written under {state['engine']} and this run uses "
+                            f"{engine} (DeepSpeed checkpoints resume under DeepSpeed only)")
         drafter.load_state_dict(weights)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
         start_step, epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
         tokens, train_time = state["tokens"], state["train_time"]
-    drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
+    self_sharded = shards_itself(engine, accelerator)
+    if self_sharded:
+        fully_shard_drafter(drafter, accelerator)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                            weight_decay=cfg.train.weight_decay)
+    raw_opt = opt  # accelerate wraps it; the state-dict API wants the torch optimizer
+    sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
+    if self_sharded:
+        opt, train_dl = accelerator.prepare(opt, train_dl)
+    else:
+        drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
+    if resume:
+        sched.load_state_dict(state["scheduler"])
+        if engine == "deepspeed":
+            accelerator.load_state(str(resume / DEEPSPEED_STATE))
+        else:
+            load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
     if cfg.wandb.enabled:
         accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
             "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
@@ -233,7 +256,7 @@ def main(argv=None):
         f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
         f"{len(train_ds)} train / {len(val_ds)} val conversations; hidden states "
         f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
-        f"{accelerator.device} x{accelerator.num_processes}" + (f"; resuming from {resume}" if resume else ""))
+        f"{accelerator.device} x{accelerator.num_processes} ({engine})" + (f"; resuming from {resume}" if resume else ""))
 
     # --- loop ---------------------------------------------------------------------------------
     metrics_file = None
@@ -256,28 +279,29 @@ def main(argv=None):
             batch = batch.to(accelerator.device)
             anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
             micro.append((batch, anchors, anchor_valid))
-        w_local = sum(slot_weights(block_slots(b, a, v, B)[1], cfg.loss.gamma).sum() for b, a, v in micro)
+        w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
         w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
         # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
         normalizer = (w_total / accelerator.num_processes).float()
 
-        loss_sum, step_tokens, counts = 0.0, 0, None
+        loss_sum, step_tokens, terms, counts = 0.0, 0, 0.0, None
         for i, (batch, anchors, anchor_valid) in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
-            with sync, accelerator.autocast():
-                o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id,
-                                    cfg.loss.ce_labels, cache)
-                loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                      cfg.loss.kl_weight, o.target_logits, normalizer=normalizer)
+            with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
+                o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cache)
+                loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                                      normalizer=normalizer)
                 accelerator.backward(loss)
             loss_sum += loss.item()
-            c = acceptance_counts(m["correct"], m["valid"])
+            terms = terms + m["terms"].double().cpu()
+            c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
             counts = c if counts is None else counts + c
             step_tokens += int(batch.attention_mask.sum())
-        # One small all-reduce so the logged loss, acceptance and tokens cover every process.
-        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu()])
+        # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
+        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms])
         stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
-        loss_sum, tokens, counts = stats[0].item() / accelerator.num_processes, tokens + int(stats[1]), stats[2:]
+        loss_sum, tokens = stats[0].item() / accelerator.num_processes, tokens + int(stats[1])
+        counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
+        terms = {name: round(v, 6) for name, v in zip(cfg.loss.terms, terms.tolist())}
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
         lr = sched.get_last_lr()[0]  # the rate this step uses
         opt.step()
@@ -286,14 +310,18 @@ def main(argv=None):
         train_time += time.time() - t0
 
         live = acceptance_metrics(counts)
-        grad_norm = None if grad_norm is None else round(float(grad_norm), 6)  # DeepSpeed clips inside its engine
-        record = {"step": step, "loss": round(loss_sum, 6), "lr": lr, "grad_norm": grad_norm,
-                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4), "tokens": tokens,
+        grad_norm = grad_norm_of(drafter, engine, grad_norm)
+        grad_norm = None if grad_norm is None else round(grad_norm, 6)
+        record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
+                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
+                  "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": tokens,
                   "train_tokens_per_s": round(tokens / train_time, 1), "elapsed_s": round(time.time() - t_start, 2)}
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
             val = validate(accelerator, drafter, target, val_ds, collate_fn, cfg, layer_ids, mask_id)
             record.update({"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
+                           "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
                            "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
+                           "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
                            "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()}})
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
@@ -303,41 +331,69 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss_sum:.3f}", eal=f"{live['eal']:.2f}", lr=f"{lr:.1e}")
         bar.update(1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-            weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
-            if accelerator.is_main_process:
-                save_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator.unwrap_model(drafter), target,
-                                dump_recipe(cfg), weights=weights, state={"step": step, "optimizer": opt.state_dict(),
-                                                   "scheduler": sched.state_dict(), "epoch": epoch,
+            save_training_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator, engine, drafter, raw_opt,
+                                     target, cfg, {"step": step, "scheduler": sched.state_dict(), "epoch": epoch,
                                                    "batches_in_epoch": in_epoch, "tokens": tokens,
                                                    "train_time": train_time})
-            accelerator.wait_for_everyone()
     bar.close()
 
     # --- outputs -------------------------------------------------------------------------------
-    weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
+    weights = full_model_state(accelerator, drafter, engine)  # a collective under FSDP / ZeRO-3
     if accelerator.is_main_process:
         save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg), weights)
         summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
                    "train_tokens_per_s": round(tokens / max(train_time, 1e-9), 1), "train_tokens": tokens,
-                   "resumed_from_step": start_step, "processes": accelerator.num_processes,
+                   "resumed_from_step": start_step, "processes": accelerator.num_processes, "engine": engine,
                    "device": str(accelerator.device), "precision": "bf16" if precision == "bf16" else "fp32",
                    "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
                    "target": cfg.model.target, "target_layer_ids": layer_ids, "block_size": B,
-                   "hidden_states": "cache" if cache else "online", "eval": val}
+                   "hidden_states": "cache" if cache else "online", "eval": val,
+                   # this process's peak (all processes hold the same shapes under DDP; a shard under FSDP/ZeRO)
+                   "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                   if accelerator.device.type == "cuda" else None}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metrics_file.close()
         tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
         print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
               f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
-              f"{val['acc_per_position'][0]:.3f}; drafter in {out / 'final'}")
+              f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
     accelerator.end_training()
 
 
+def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,
+                             state: dict) -> None:
+    """checkpoints/step_N/: the full drafter weights (loadable like final/) plus what an exact
+    resume needs. Every process takes part (gathers under FSDP / ZeRO); the main process writes
+    into a temporary folder that is renamed only when complete, so a restart never picks half a
+    checkpoint. DeepSpeed's engine writes its own sharded state into it first."""
+    weights = full_model_state(accelerator, drafter, engine)
+    optimizer = None if engine == "deepspeed" else full_optimizer_state(accelerator, drafter, opt)
+    tmp = folder.with_name(f".{folder.name}.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    if engine == "deepspeed":  # optimizer partitions, per process
+        accelerator.save_state(str(tmp / DEEPSPEED_STATE))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_checkpoint(tmp, accelerator.unwrap_model(drafter), target, dump_recipe(cfg),
+                        state={**state, "optimizer": optimizer, "engine": engine}, weights=weights)
+        os.replace(tmp, folder)
+    accelerator.wait_for_everyone()
+
+
 def flat_for_tracker(record: dict) -> dict:
-    """metrics.jsonl record -> scalar keys for wandb (val/acc_k, val/ddtree_tau@budget)."""
+    """metrics.jsonl record -> scalar keys for wandb (loss/<term>, alpha_k, val/loss/<term>,
+    val/acc_k, val/alpha_k, val/ddtree_tau@budget)."""
     flat = {k: v for k, v in record.items() if not isinstance(v, (list, dict))}
-    for k, acc in enumerate(record.get("val_acc_per_position", []), start=1):
-        flat[f"val/acc_{k}"] = acc
+    for key, prefix in [("terms", "loss/"), ("val_terms", "val/loss/")]:
+        for name, v in record.get(key, {}).items():
+            flat[prefix + name] = v
+    for key, name in [("alpha_per_position", "alpha"), ("val_acc_per_position", "val/acc"),
+                      ("val_alpha_per_position", "val/alpha")]:
+        for k, v in enumerate(record.get(key, []), start=1):
+            flat[f"{name}_{k}"] = v
     for budget, tau in record.get("val_ddtree_tau", {}).items():
         flat[f"val/ddtree_tau@{budget}"] = tau
     return flat

@@ -9,19 +9,26 @@ the slot counts (inside the sequence, on an assistant token, anchor valid).
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 
+from dflash_train import dspark
 from dflash_train.data import Batch, anchor_keys, block_labels_index, sample_anchors
-from dflash_train.ddtree import build_tree
+from dflash_train.ddtree import build_tree, spine_counts
 from dflash_train.hs_cache import HiddenStateCache
 from dflash_train.target import Target, target_forward
 
 
 @dataclass
 class BlockOutputs:
-    draft_logits: torch.Tensor  # [b, A, K, V], K = B-1 drafted slots
+    draft_logits: torch.Tensor  # [b, A, K, V], K = B-1 drafted slots (DSpark: with the teacher-forced Markov bias)
     target_logits: torch.Tensor  # [b, A, K, V], the target's distribution for the same tokens
     labels: torch.Tensor  # [b, A, K]
     valid: torch.Tensor  # [b, A, K] bool
+    confidence_logits: torch.Tensor | None = None  # [b, A, K], DSpark's confidence head
+    # What a path-conditioned tree needs (only with tree_inputs=True, for validation):
+    base_logits: torch.Tensor | None = None  # [b, A, K, V] the backbone's logits, before the Markov bias
+    hidden: torch.Tensor | None = None  # [b, A, B, H] the backbone's final hidden states
+    bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
 
 
 def draw_anchors(batch: Batch, num_anchors: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,8 +48,9 @@ def block_slots(batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor,
 
 def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
                     block_size: int, mask_id: int, ce_labels: str = "target",
-                    cache: HiddenStateCache | None = None) -> BlockOutputs:
-    """One target pass (or a cache read) and one drafter pass over every anchored block of the batch."""
+                    cache: HiddenStateCache | None = None, tree_inputs: bool = False) -> BlockOutputs:
+    """One target pass (or a cache read) and one drafter pass over every anchored block of the batch.
+    A DSpark drafter's heads then run on the true previous tokens (teacher forcing)."""
     ids = batch.input_ids
     b, T = ids.shape
     A, K = anchors.shape[1], block_size - 1
@@ -60,28 +68,46 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
         t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H))
         target_logits = target.lm_head(t_hidden).view(b, A, K, -1)
         labels = target_logits.argmax(-1) if ce_labels == "target" else ids.gather(1, pos.flatten(1)).view(b, A, K)
-    hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool())  # [b, A*B, H]
+    hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool()).view(b, A, block_size, -1)
     # slots 1..B-1, made contiguous: the LM head is then one matmul, not A small batched ones
-    hidden = hidden.view(b, A, block_size, -1)[:, :, 1:].reshape(b, A * K, -1)
-    return BlockOutputs(target.lm_head(hidden).view(b, A, K, -1), target_logits, labels, valid)
+    logits = target.lm_head(hidden[:, :, 1:].reshape(b, A * K, -1)).view(b, A, K, -1)
+    model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
+    base, confidence = logits, None
+    if model.config.variant == "dspark":
+        with torch.no_grad():  # the true tokens at slots 0..B-1 (past the sequence: invalid slots anyway)
+            block_tokens = torch.cat([block_ids[:, :, :1], ids.gather(1, pos.flatten(1)).view(b, A, K)], dim=2)
+        logits, confidence = dspark.teacher_forced(model, hidden, block_tokens, logits)
+    if not tree_inputs:
+        return BlockOutputs(logits, target_logits, labels, valid, confidence)
+    return BlockOutputs(logits, target_logits, labels, valid, confidence, base, hidden, block_ids[:, :, 0])
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],
-                      max_blocks: int) -> torch.Tensor:
+                      max_blocks: int, markov_head=None, hidden: torch.Tensor | None = None,
+                      bonus: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
     distributions, walked along the target's tokens (labels) while they are in the tree.
-    Returns summable counts [len(budgets) + 1]: accepted tokens per budget, then blocks."""
+    With DSpark's `markov_head`, draft_logits are the backbone's and the tree is path-conditioned
+    (dspark.MarkovScorer on hidden [.., B, H] and the bonus tokens [..]).
+    Returns summable counts [len(budgets) + 1 + 4]: accepted tokens per budget, blocks, then
+    the spine counts of the largest tree (ddtree.spine_counts: on-spine hits, nodes, off-spine
+    hits, nodes)."""
     logits = draft_logits.reshape(-1, *draft_logits.shape[-2:])[: max_blocks]  # [N, K, V]
     labels = labels.reshape(-1, labels.shape[-1])[: max_blocks].tolist()
     valid = valid.reshape(-1, valid.shape[-1])[: max_blocks].tolist()
+    conditional = markov_head is not None
+    if conditional:
+        hidden = hidden.reshape(-1, *hidden.shape[-2:])[: max_blocks]  # [N, B, H]
+        bonus = bonus.reshape(-1)[: max_blocks].tolist()
     # Nodes are numbered in best-first pop order, so the tree of budget b is exactly the nodes
     # 1..b of the largest tree: build that once and count, per budget, the path nodes <= b.
-    counts = torch.zeros(len(budgets) + 1, dtype=torch.float64)
+    counts = torch.zeros(len(budgets) + 1 + 4, dtype=torch.float64)
     for i, (lab, ok) in enumerate(zip(labels, valid)):
         if not ok[0] or not budgets:
             continue
-        counts[-1] += 1
-        tree, cur, path = build_tree(logits[i], max(budgets)), 0, []
+        counts[len(budgets)] += 1
+        scorer = dspark.MarkovScorer(markov_head, hidden[i], bonus[i]) if conditional else None
+        tree, cur, path = build_tree(logits[i], max(budgets), scorer), 0, []
         for tok, v in zip(lab, ok):
             if not v or tok not in tree.children[cur]:
                 break
@@ -89,4 +115,18 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
             path.append(cur)  # increasing indices along the path
         for j, budget in enumerate(budgets):
             counts[j] += sum(1 for node in path if node <= budget)
+        # the target's token after the node at depth d is label d+1 (when valid)
+        nxt = [lab[d] if d < len(lab) and ok[d] else None for d in range(1, len(path) + 1)]
+        counts[len(budgets) + 1:] += torch.tensor(spine_counts(tree, path, nxt), dtype=torch.float64)
     return counts
+
+
+def confidence_counts(confidence_logits: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+    """Calibration of DSpark's confidence head, teacher-forced: per slot k the summed predicted
+    acceptance sigmoid(c_k), the summed measured rate alpha_k = sum_v min(p_v, q_v), and the
+    count of valid slots. Returns summable counts [3K]."""
+    v = valid.float()
+    predicted = (torch.sigmoid(confidence_logits.float()) * v).flatten(0, -2).sum(0)
+    alpha = (dspark.acceptance_rate(draft_logits, target_logits) * v).flatten(0, -2).sum(0)
+    return torch.cat([predicted, alpha, v.flatten(0, -2).sum(0)]).double()

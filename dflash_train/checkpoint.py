@@ -61,8 +61,16 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias,
+        attention_bias=tc.attention_bias, **dspark_fields(m),
     )
+
+
+def dspark_fields(m: ModelConfig) -> dict:
+    """The DSpark part of a DrafterConfig (its defaults for DFlash)."""
+    if m.variant != "dspark":
+        return {}
+    return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
+            "confidence_head": m.confidence_head, "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
 
 
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
@@ -74,7 +82,9 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     check_matches_target(drafter.config, target)
     loaded = drafter.config
     for key, field in [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
-                       ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id")]:
+                       ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
+                       ("variant", "variant"), ("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
+                       ("confidence_head", "confidence_head")]:
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
                             f"{getattr(cfg, field)}: set model.{key} to match")

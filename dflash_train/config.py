@@ -38,6 +38,12 @@ class ModelConfig(Section):
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None
+    # dspark = the DFlash backbone + DSpark's Markov logit-bias head (slot k conditioned on the
+    # token at slot k-1) and confidence head (dflash_train/dspark.py). The keys below are DSpark's.
+    variant: Literal["dflash", "dspark"] = "dflash"
+    markov_rank: int = Field(256, ge=0)  # r of the bias W2(W1[x]); 0 = no Markov head (the backbone's logits)
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # vLLM 0.33 serves vanilla only
+    confidence_head: bool = True  # predict each slot's acceptance rate (trained with loss.confidence_weight)
 
 
 class DataConfig(Section):
@@ -55,6 +61,8 @@ class LossConfig(Section):
     kl_weight: float = Field(0.0, ge=0)  # KL(target || drafter) on the full distributions
     ce_labels: Literal["target", "data"] = "target"  # target = the target's greedy tokens
     gamma: float = Field(4.0, gt=0)  # block position k weighs exp(-(k-1)/gamma); 7 for B=16
+    # DSpark's confidence head: BCE toward the detached per-slot acceptance rate sum_v min(p_v, q_v)
+    confidence_weight: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _some_loss(self):

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from dflash_train.checkpoint import check_matches_target, load_drafter, require_free_output, write_atomically
 from dflash_train.data import stop_token_ids
-from dflash_train.decode import STAGES, decode
+from dflash_train.decode import STAGES, TREE_SCORES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.report import advise_budget, write_report
@@ -45,6 +45,8 @@ class Run:
     stage_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     prefill_s: float = 0.0
     decoded_tokens: int = 0  # tokens produced by decode rounds (the prefill's first token excluded)
+    spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode.DecodeResult.spine, summed
+    confidence: list[list[float]] | None = None  # decode.DecodeResult.confidence, summed (DSpark chain)
 
 
 def run_prompts(target, drafter, prompts: list[Prompt], suite: str, method: str, budget: int, args, stops, bar) -> Run:
@@ -58,7 +60,12 @@ def run_prompts(target, drafter, prompts: list[Prompt], suite: str, method: str,
             messages.append({"role": "user", "content": turn})
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                           return_dict=True)["input_ids"]
-            r = decode(target, drafter, ids, method, budget, args.temperature, args.max_new_tokens, stops, gen)
+            r = decode(target, drafter, ids, method, budget, args.temperature, args.max_new_tokens, stops, gen,
+                       args.tree_scores)
+            run.spine = [a + b for a, b in zip(run.spine, r.spine)]
+            if r.confidence is not None:
+                run.confidence = r.confidence if run.confidence is None else [
+                    [a + b for a, b in zip(x, y)] for x, y in zip(run.confidence, r.confidence)]
             messages.append({"role": "assistant", "content": tok.decode(r.tokens, skip_special_tokens=True)})
             lengths += r.accept_lengths
             outputs.append(r.tokens)
@@ -92,7 +99,22 @@ def summarize(run: Run, ar: Run, args, block_size: int) -> dict:
         "accept_hist": {str(k): run.hist.get(k, 0) for k in range(1, block_size + 1)},
         "stage_ms_per_round": {s: round(1000 * run.stage_s[s] / max(rounds, 1), 4) for s in STAGES},
         "prefill_ms_per_turn": round(1000 * run.prefill_s / max(sum(len(o) for o in run.outputs), 1), 3),
+        **spine_summary(run),
     }
+
+
+def spine_summary(run: Run) -> dict:
+    """Off-spine accuracy beside on-spine (ddtree.spine_counts), and for a DSpark chain the
+    confidence head's predicted vs measured acceptance per slot (rounds that reached the slot)."""
+    on_hit, on_n, off_hit, off_n = run.spine
+    out = {"on_spine_acc": round(on_hit / on_n, 4) if on_n else None, "on_spine_nodes": on_n,
+           "off_spine_acc": round(off_hit / off_n, 4) if off_n else None, "off_spine_nodes": off_n}
+    if run.confidence is not None:
+        predicted, reached, accepted = run.confidence
+        out["confidence"] = {"predicted": [round(p / n, 4) if n else None for p, n in zip(predicted, reached)],
+                             "measured": [round(a / n, 4) if n else None for a, n in zip(accepted, reached)],
+                             "reached": [int(n) for n in reached]}
+    return out
 
 
 def hardware_record(device: torch.device) -> dict:
@@ -143,6 +165,8 @@ def parse_args(argv):
     p.add_argument("--suite", action="append", default=None,
                    help=f"suite name, NAME=local_file or a messages .jsonl (repeatable; default {DEFAULT_SUITE})")
     p.add_argument("--budgets", default="0,4,16,64,256", help="DDTree budgets (non-root nodes)")
+    p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
+                   help="a DSpark drafter's DDTree: path-conditioned (default) or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
@@ -204,6 +228,8 @@ def main(argv=None):
     report = {
         "drafter": str(args.drafter), "target": target_id, "target_revision": target.revision,
         "block_size": B, "target_layer_ids": drafter.config.target_layer_ids,
+        "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
+        "markov_head_type": drafter.config.markov_head_type, "tree_scores": args.tree_scores,
         "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "budgets": budgets,
         "hardware": hardware_record(device), "results": results,
         "advice": advise_budget(results, device_costs),

@@ -22,6 +22,7 @@ checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + r
 """
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -38,11 +39,12 @@ from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.blocks import anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
+from dflash_train.blocks import anchored_blocks, block_slots, confidence_counts, ddtree_acceptance, draw_anchors
 from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
                                      save_checkpoint, save_drafter)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import collate, load_conversations
+from dflash_train.dspark import acceptance_rate, confidence_loss
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import open_cache
 from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, slot_weights
@@ -87,31 +89,61 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
     budgets = cfg.eval.ddtree_budgets
-    totals = torch.zeros(2 + 2 * (B - 1) + 2 + len(budgets) + 1, dtype=torch.float64)
+    # loss, weight, acceptance counts, tree counts + spine counts, confidence calibration (DSpark)
+    sizes = [2, 2 * (B - 1) + 2, len(budgets) + 1 + 4, 3 * (B - 1)]
+    totals = torch.zeros(sum(sizes), dtype=torch.float64)
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
+    # DSpark's path-conditioned trees are built on CPU: one CPU copy of the Markov head per validation
+    tree_head = None if model.markov_head is None else copy.deepcopy(model.markov_head).to("cpu", torch.float32)
     for i in range(0, -(-len(val_ds) // accelerator.num_processes), bs):
         chunk = rows[i : i + bs]
         batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
-            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cfg.loss.ce_labels)
-            loss_sum, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                      cfg.loss.kl_weight, o.target_logits, normalizer=1.0)
+            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cfg.loss.ce_labels,
+                                tree_inputs=True)
+            loss_sum, m = training_loss(o, cfg, normalizer=1.0)
         if not chunk:
             continue
         w_sum = slot_weights(o.valid, cfg.loss.gamma).sum()
+        # a DSpark drafter's tree is path-conditioned on the backbone's logits; DFlash's uses its marginals
+        tree_logits = o.base_logits if model.markov_head is not None else o.draft_logits
+        calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
+            confidence_counts(o.confidence_logits, o.draft_logits, o.target_logits, o.valid).cpu()
         totals += torch.cat([torch.stack([loss_sum.double().cpu(), w_sum.double().cpu()]),
                              acceptance_counts(m["correct"], m["valid"]).cpu(),
-                             ddtree_acceptance(o.draft_logits.float().cpu(), o.labels.cpu(), o.valid.cpu(), budgets,
-                                               cfg.eval.ddtree_max_blocks)])
+                             ddtree_acceptance(tree_logits.float().cpu(), o.labels.cpu(), o.valid.cpu(), budgets,
+                                               cfg.eval.ddtree_max_blocks, tree_head, o.hidden.float().cpu(),
+                                               o.bonus.cpu()),
+                             calibration])
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    counts, tree = totals[2 : 2 + 2 * (B - 1) + 2], totals[2 + 2 * (B - 1) + 2 :]
-    blocks = max(tree[-1].item(), 1.0)
-    return {"loss": (totals[0] / totals[1].clamp(min=1e-8)).item(), **acceptance_metrics(counts),
-            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)}}
+    head, counts, tree, calibration = totals.split(sizes)
+    blocks = max(tree[len(budgets)].item(), 1.0)
+    on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
+    out = {"loss": (head[0] / head[1].clamp(min=1e-8)).item(), **acceptance_metrics(counts),
+           "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
+           "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
+           "off_spine_nodes": int(off_n)}
+    if model.confidence_head is not None:
+        predicted, alpha, n = calibration.view(3, B - 1)
+        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(), "alpha": (alpha / n.clamp(min=1)).tolist()}
+    return out
+
+
+def training_loss(o, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
+    """The recipe's loss on the anchored blocks; for DSpark plus the confidence head's BCE toward
+    the detached per-slot acceptance rate (same slot weights and normaliser)."""
+    loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight, cfg.loss.kl_weight,
+                          o.target_logits, normalizer=normalizer)
+    if o.confidence_logits is not None and cfg.loss.confidence_weight:
+        with torch.no_grad():
+            alpha = acceptance_rate(o.draft_logits, o.target_logits)  # [b, A, K]
+        w = slot_weights(o.valid, cfg.loss.gamma)
+        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, alpha, w, normalizer)
+    return loss, m
 
 
 def prepare_output_dir(cfg: RunConfig, accelerator) -> Path | None:
@@ -267,8 +299,7 @@ def main(argv=None):
             with sync, accelerator.autocast():
                 o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id,
                                     cfg.loss.ce_labels, cache)
-                loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight,
-                                      cfg.loss.kl_weight, o.target_logits, normalizer=normalizer)
+                loss, m = training_loss(o, cfg, normalizer)
                 accelerator.backward(loss)
             loss_sum += loss.item()
             c = acceptance_counts(m["correct"], m["valid"])
@@ -294,7 +325,11 @@ def main(argv=None):
             val = validate(accelerator, drafter, target, val_ds, collate_fn, cfg, layer_ids, mask_id)
             record.update({"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
                            "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
-                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()}})
+                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
+                           **{f"val_{k}": None if val[k] is None else round(val[k], 4)
+                              for k in ("on_spine_acc", "off_spine_acc")}})
+            if "confidence" in val:  # DSpark: the confidence head's calibration per slot
+                record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -335,7 +370,7 @@ def main(argv=None):
 
 def flat_for_tracker(record: dict) -> dict:
     """metrics.jsonl record -> scalar keys for wandb (val/acc_k, val/ddtree_tau@budget)."""
-    flat = {k: v for k, v in record.items() if not isinstance(v, (list, dict))}
+    flat = {k: v for k, v in record.items() if v is not None and not isinstance(v, (list, dict))}
     for k, acc in enumerate(record.get("val_acc_per_position", []), start=1):
         flat[f"val/acc_{k}"] = acc
     for budget, tau in record.get("val_ddtree_tau", {}).items():

@@ -19,6 +19,7 @@ Training feeds the true previous tokens (teacher forcing); decoding feeds back t
 markov_head.{markov_w1, markov_w2, gate_proj, joint_proj}.*, confidence_head.proj.*.
 """
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -172,7 +173,7 @@ class MarkovScorer:
 
     Cost: one top-(M+K) and one masked logsumexp over [L, V] (as the plain tree's top-K and
     normaliser), gathers of the W1 / W2 rows of those tokens, then per expanded node an
-    [M, r] mat-vec and a top-K of M+K values. It runs on draft_logits' device.
+    [M, r] mat-vec and a sort of M+K values (ties: the better backbone rank first).
     """
 
     def __init__(self, head: MarkovHead, hidden: torch.Tensor, bonus: int, candidates: int = TREE_CANDIDATES):
@@ -183,57 +184,68 @@ class MarkovScorer:
     def expander(self, draft_logits: torch.Tensor, K: int):
         """draft_logits [L, V] (the backbone's, depth d = row d-1) -> (expand, root token, root carry)
         for `ddtree.best_first`. expand(token, carry, depth) scores the children of a node at
-        `depth` carrying `token`: (logp [K], ids [K], the carry its children share)."""
-        head, device = self.head, draft_logits.device
+        `depth` carrying `token`: (logp [K], ids [K], the carry its children share). The [L, V]
+        work runs on draft_logits' device; the per-node work on small float32 numpy arrays."""
+        head = self.head
         logits = draft_logits.float()
         L, V = logits.shape
         M = min(self.candidates, V)
         T = min(K, V - M)  # the best non-candidates a node may still rank among its top-K
-        vals, ids = torch.topk(logits, M + T, dim=-1)  # [L, M+T]: every token a node at depth d can carry
+        vals, ids = torch.topk(logits, M + T, dim=-1)  # [L, M+T]: every token a depth-d node can carry
         if M < V:  # log-mass of the non-candidates: they keep their backbone logits
             rest = logits.scatter(-1, ids[:, :M], float("-inf")).logsumexp(-1)  # [L]
         else:
             rest = logits.new_full((L,), float("-inf"))
+        # W1 / W2 rows of those tokens, gathered once (unless that is more rows than V: tiny vocabularies)
+        gathered = L * (M + T) <= V
 
-        def weight(t: torch.Tensor, rows=None) -> torch.Tensor:
+        def cpu(t: torch.Tensor, rows: torch.Tensor | None = None) -> np.ndarray:
             t = t if rows is None else t[rows.to(t.device)]
-            return t.to(device, torch.float32)
+            return t.detach().to("cpu", torch.float32).numpy()
 
-        w1 = weight(head.markov_w1.weight, ids)  # [L, M+T, r]: W1 of the tokens a depth-d node can carry
-        w2 = weight(head.markov_w2.weight, ids[:, :M])  # [L, M, r]: W2 of the candidate columns
-        bonus_emb = weight(head.markov_w1.weight, torch.tensor(self.bonus))  # [r]
-        column = [dict(zip(row, range(len(row)))) for row in ids.tolist()]  # per depth: token -> its row in w1
-        hidden = self.hidden.to(device, torch.float32)  # [B, H]
+        w1_full, w2_full = head.markov_w1.weight, head.markov_w2.weight
+        w1 = cpu(w1_full, ids) if gathered else cpu(w1_full)  # [L, M+T, r] or [V, r]
+        w2 = cpu(w2_full, ids[:, :M]) if gathered else cpu(w2_full)  # [L, M, r] or [V, r]
+        ids_np, vals, rest = ids.cpu().numpy(), cpu(vals), cpu(rest)
+        column = [dict(zip(row, range(len(row)))) for row in ids_np.tolist()] if gathered else None
+        bonus_emb = cpu(w1_full[self.bonus])  # [r]
+        hidden = self.hidden.float()  # [B, H]
         r, H = head.rank, hidden.shape[-1]
         if head.head_type == "gated":  # gate = sigmoid(G_h h_k + g + G_e e): the h part once per slot
-            g = weight(head.gate_proj.weight)
-            slot_part, emb_w = hidden @ g[:, :H].T + weight(head.gate_proj.bias), g[:, H:]  # [B, r], [r, r]
+            g = head.gate_proj.weight.float()
+            slot_part = cpu(hidden @ g[:, :H].T.to(hidden.device) + head.gate_proj.bias.float().to(hidden.device))
+            emb_w = cpu(g[:, H:])  # [B, r], [r, r]
         elif head.head_type == "rnn":  # [a; c; o] = J_s s + J_e e + J_h h_k + j: the h part once per slot
-            j = weight(head.joint_proj.weight)
-            slot_part = hidden @ j[:, 2 * r:].T + weight(head.joint_proj.bias)  # [B, 3r]
-            state_w, emb_w = j[:, :r], j[:, r:2 * r]  # [3r, r] each
+            j = head.joint_proj.weight.float()
+            slot_part = cpu(hidden @ j[:, 2 * r:].T.to(hidden.device) + head.joint_proj.bias.float().to(hidden.device))
+            state_w, emb_w = cpu(j[:, :r]), cpu(j[:, r:2 * r])  # [B, 3r]; [3r, r] each
 
-        def vector(e: torch.Tensor, carry, slot: int):
+        def vector(e: np.ndarray, carry, slot: int):
             """u of block slot `slot` after a token with W1 row e, and the state after it (rnn)."""
             if head.head_type == "vanilla":
                 return e, None
             if head.head_type == "gated":
-                return torch.sigmoid(slot_part[slot] + emb_w @ e) * e, None
-            a, c, o = (slot_part[slot] + state_w @ carry + emb_w @ e).chunk(3)
-            gate = torch.sigmoid(a)
-            return torch.tanh(o), gate * carry + (1.0 - gate) * torch.tanh(c)
+                return e / (1.0 + np.exp(-(slot_part[slot] + emb_w @ e))), None
+            a, c, o = np.split(slot_part[slot] + state_w @ carry + emb_w @ e, 3)
+            gate = 1.0 / (1.0 + np.exp(-a))
+            return np.tanh(o), gate * carry + (1.0 - gate) * np.tanh(c)
 
         def expand(token: int, carry, depth: int):
-            e = bonus_emb if depth == 0 else w1[depth - 1, column[depth - 1][token]]
+            if depth == 0:
+                e = bonus_emb
+            else:
+                e = w1[depth - 1, column[depth - 1][token]] if gathered else w1[token]
             u, child_carry = vector(e, carry, depth + 1)
-            z = vals[depth, :M] + w2[depth] @ u  # [M] candidate logits with the bias
-            log_norm = torch.logaddexp(rest[depth], torch.logsumexp(z, 0))
-            top_v, top_i = torch.topk(torch.cat([z, vals[depth, M:]]), K)
-            return (top_v - log_norm).tolist(), ids[depth][top_i].tolist(), child_carry
+            z = vals[depth].copy()  # [M+T]: candidates, then the best non-candidates
+            z[:M] += w2[depth] @ u if gathered else (w2 @ u)[ids_np[depth, :M]]
+            peak = z[:M].max()
+            log_norm = np.logaddexp(rest[depth], peak + np.log(np.exp(z[:M] - peak).sum()))
+            order = np.argsort(-z, kind="stable")[:K]  # ties: the better backbone rank first
+            return (z[order] - log_norm).tolist(), ids_np[depth, order].tolist(), child_carry
 
         root_carry = None
         if head.head_type == "rnn":  # slot 0 advances the state (its own prediction is not drafted)
-            _, root_carry = vector(bonus_emb, hidden.new_zeros(r), 0)
+            _, root_carry = vector(bonus_emb, np.zeros(r, dtype=np.float32), 0)
         return expand, self.bonus, root_carry
 
 

@@ -1,7 +1,7 @@
 """Time DDTree construction (`build_tree`) at the DFlash block shape, on CPU: the plain tree
 from per-depth marginals and DSpark's path-conditioned tree, in one run.
 
-    .venv/bin/python benchmarks/tree_build.py [--threads N] [--exact]
+    .venv/bin/python benchmarks/tree_build.py [--threads N]
 
 L = 15 depths (block 16), V = 151936 (Qwen3 vocabulary), random float32 logits.
 Per budget: one warm-up, then the median of RUNS runs of the whole `build_tree` and of
@@ -11,9 +11,10 @@ its three parts timed one by one:
   vis:  the [n+1, n+1] ancestor-or-self mask (torch, one step per depth)
 Path-conditioned (`dspark.MarkovScorer`, Qwen3-8B's shape: Markov rank 256, hidden 4096, random
 weights giving a bias of about one logit): the whole `build_tree(logits, budget, scorer)` for
-the vanilla, gated and rnn heads with the default 256 candidates per depth, and its ratio to the
-plain build. --exact adds the exact conditional tree (candidates = V: a full-vocabulary [V, r]
-mat-vec per expanded node) at budgets 16 and 64, median of 3.
+the vanilla, gated and rnn heads with the default 256 candidates per depth, timed in turn with
+the plain build (run i of each back to back, so both see the same machine load), and the ratio
+of the two medians. For scale: the exact conditional tree needs a full-vocabulary [V, r]
+mat-vec per expanded node (about `budget` of them); one is timed at the end.
 --threads sets torch's intra-op threads: on a few busy cores a parallel op such as the
 mask's zero fill can wait a whole scheduler slice (~4 ms) for a descheduled worker.
 """
@@ -72,10 +73,23 @@ def random_head(head_type: str) -> MarkovHead:
     return head.eval()
 
 
+def paired_ms(plain, conditional) -> tuple[float, float]:
+    """Medians of RUNS alternating runs of the two builds (after one warm-up of each)."""
+    plain(), conditional()
+    a, b = [], []
+    for _ in range(RUNS):
+        t0 = time.perf_counter()
+        plain()
+        t1 = time.perf_counter()
+        conditional()
+        a.append(t1 - t0)
+        b.append(time.perf_counter() - t1)
+    return 1e3 * statistics.median(a), 1e3 * statistics.median(b)
+
+
 def main():
     parser = argparse.ArgumentParser(description="Time DDTree construction on CPU.")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    parser.add_argument("--exact", action="store_true", help="also time the exact conditional tree (slow)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -84,31 +98,26 @@ def main():
     hidden = torch.randn(L + 1, HIDDEN)  # [B, H]
     print(f"L={L} V={V} torch threads={torch.get_num_threads()} median of {RUNS}")
     print("\nplain DDTree (per-depth marginals)")
-    plain = plain_rows(logits)
+    plain_rows(logits)
 
     print(f"\npath-conditioned DDTree (MarkovScorer, rank {RANK}, hidden {HIDDEN}, {TREE_CANDIDATES} candidates "
-          f"per depth): total ms, and x the plain build")
-    print(f"{'budget':>6} " + " ".join(f"{h:>16}" for h in ("vanilla", "gated", "rnn")))
+          f"per depth), paired with the plain build: ms plain / ms conditional (ratio)")
+    print(f"{'budget':>6} " + " ".join(f"{h:>24}" for h in ("vanilla", "gated", "rnn")))
     cells = {b: [] for b in CONDITIONAL_BUDGETS}
-    for head_type in ("vanilla", "gated", "rnn"):
-        head = random_head(head_type)
-        scorer = MarkovScorer(head, hidden, bonus=7)
-        with torch.no_grad():
+    with torch.no_grad():
+        for head_type in ("vanilla", "gated", "rnn"):
+            head = random_head(head_type)
+            scorer = MarkovScorer(head, hidden, bonus=7)
             for budget in CONDITIONAL_BUDGETS:
-                ms = median_ms(lambda: build_tree(logits, budget, scorer))
-                cells[budget].append(f"{ms:7.2f} ({ms / plain[budget]:4.2f}x)")
-        del head, scorer
+                a, b = paired_ms(lambda: build_tree(logits, budget), lambda: build_tree(logits, budget, scorer))
+                cells[budget].append(f"{a:6.2f} / {b:6.2f} ({b / a:4.2f}x)")
+            if head_type == "vanilla":
+                w2, u = head.markov_w2.weight, torch.randn(RANK)
+                matvec = median_ms(lambda: w2 @ u)
+            del head, scorer
     for budget in CONDITIONAL_BUDGETS:
-        print(f"{budget:>6} " + " ".join(f"{c:>16}" for c in cells[budget]))
-
-    if args.exact:
-        head = random_head("vanilla")
-        scorer = MarkovScorer(head, hidden, bonus=7, candidates=V)
-        print("\nexact conditional tree (vanilla, candidates = V), median of 3")
-        with torch.no_grad():
-            for budget in (16, 64):
-                ms = median_ms(lambda: build_tree(logits, budget, scorer), runs=3)
-                print(f"{budget:>6} {ms:9.1f} ms ({ms / plain[budget]:.1f}x the plain build)")
+        print(f"{budget:>6} " + " ".join(f"{c:>24}" for c in cells[budget]))
+    print(f"\none full-vocabulary [V, r] mat-vec (what the exact tree needs per expanded node): {matvec:.2f} ms")
 
 
 if __name__ == "__main__":

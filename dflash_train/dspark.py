@@ -162,18 +162,22 @@ class MarkovScorer:
     rnn: given the recurrent state of the node's whole path).
 
     The scores the tree uses, exactly: per depth d the candidate set C_d is the top-M tokens of the
-    backbone's logits b_d (M = min(candidates, V), ties as torch.topk breaks them). A node's
-    children at depth d get the logits z(v) = b_d[v] + W2[v] . u for v in C_d and z(v) = b_d[v]
-    for every other token (the bias is applied to the candidate columns only), normalised over
-    the whole vocabulary: log p(v) = z(v) - logsumexp_V z. The node's children are the top-K of
-    that distribution (K = min(budget, V)): candidates plus, where they rank, the best
-    non-candidates, which are the next tokens of b_d by rank. With candidates >= V this is the
-    drafter's exact conditional distribution; the approximation only drops the Markov bias on
-    tokens outside the backbone's top-M, and it is deterministic.
+    backbone's logits b_d (M = min(candidates, V), ties as torch.topk breaks them). Given a node's
+    path, the drafter's distribution at depth d is taken with the Markov bias on the candidate
+    columns only, normalised over the whole vocabulary:
+        z(v) = b_d[v] + W2[v] . u   (v in C_d),     z(v) = b_d[v]   (every other v),
+        log p(v) = z(v) - logsumexp_V z,
+    and a node's children are the top-K candidates by p (K = min(budget, M); ties: the better
+    backbone rank first). So the tree holds the top-`budget` prefixes among those made of each
+    depth's candidates, with exact products of these probabilities. The non-candidates' mass
+    exp(logsumexp_V b_d) - sum_{C_d} exp(b_d) is computed in float64 from the float32
+    log-normaliser, exact to ~1e-6 of the total mass (clamped at 0). With candidates >= V this
+    is the drafter's exact conditional distribution; the approximation drops the Markov bias
+    outside the backbone's top-M tokens, and it is deterministic.
 
-    Cost: one top-(M+K) and one masked logsumexp over [L, V] (as the plain tree's top-K and
-    normaliser), gathers of the W1 / W2 rows of those tokens, then per expanded node an
-    [M, r] mat-vec and a sort of M+K values (ties: the better backbone rank first).
+    Cost: one top-M and one logsumexp over [L, V] (as the plain tree's top-K and normaliser), then
+    per expanded node an [M, r] mat-vec and a sort of M values (numpy, float32), with the W1 / W2
+    rows of a depth's candidates gathered when a node there is first expanded.
     """
 
     def __init__(self, head: MarkovHead, hidden: torch.Tensor, bonus: int, candidates: int = TREE_CANDIDATES):
@@ -184,41 +188,49 @@ class MarkovScorer:
     def expander(self, draft_logits: torch.Tensor, K: int):
         """draft_logits [L, V] (the backbone's, depth d = row d-1) -> (expand, root token, root carry)
         for `ddtree.best_first`. expand(token, carry, depth) scores the children of a node at
-        `depth` carrying `token`: (logp [K], ids [K], the carry its children share). The [L, V]
-        work runs on draft_logits' device; the per-node work on small float32 numpy arrays."""
+        `depth` carrying `token`: (logp [K'], ids [K'], the carry its children share), K' = min(K, M).
+        The [L, V] work runs on draft_logits' device, the per-node work on float32 numpy arrays."""
         head = self.head
         logits = draft_logits.float()
         L, V = logits.shape
-        M = min(self.candidates, V)
-        T = min(K, V - M)  # the best non-candidates a node may still rank among its top-K
-        vals, ids = torch.topk(logits, M + T, dim=-1)  # [L, M+T]: every token a depth-d node can carry
-        if M < V:  # log-mass of the non-candidates: they keep their backbone logits
-            rest = logits.scatter(-1, ids[:, :M], float("-inf")).logsumexp(-1)  # [L]
+        M, K = min(self.candidates, V), min(K, self.candidates, V)
+        vals, ids = torch.topk(logits, M, dim=-1)  # [L, M] each depth's candidates, best first
+        lse = torch.logsumexp(logits, dim=-1)  # [L]
+        vals, ids_np, lse = vals.cpu().numpy(), ids.cpu().numpy(), lse.cpu().numpy().astype(np.float64)
+        if M < V:  # log-mass of the non-candidates (they keep their backbone logits)
+            cand_mass = np.exp(vals.astype(np.float64) - lse[:, None]).sum(-1)  # [L]
+            with np.errstate(divide="ignore"):
+                rest = (lse + np.log(np.maximum(1.0 - cand_mass, 0.0))).astype(np.float32)
         else:
-            rest = logits.new_full((L,), float("-inf"))
-        # W1 / W2 rows of those tokens, gathered once (unless that is more rows than V: tiny vocabularies)
-        gathered = L * (M + T) <= V
+            rest = np.full(L, -np.inf, dtype=np.float32)
 
-        def cpu(t: torch.Tensor, rows: torch.Tensor | None = None) -> np.ndarray:
-            t = t if rows is None else t[rows.to(t.device)]
-            return t.detach().to("cpu", torch.float32).numpy()
+        r, H = head.rank, self.hidden.shape[-1]
+        w1_full, w2_full = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
 
-        w1_full, w2_full = head.markov_w1.weight, head.markov_w2.weight
-        w1 = cpu(w1_full, ids) if gathered else cpu(w1_full)  # [L, M+T, r] or [V, r]
-        w2 = cpu(w2_full, ids[:, :M]) if gathered else cpu(w2_full)  # [L, M, r] or [V, r]
-        ids_np, vals, rest = ids.cpu().numpy(), cpu(vals), cpu(rest)
-        column = [dict(zip(row, range(len(row)))) for row in ids_np.tolist()] if gathered else None
-        bonus_emb = cpu(w1_full[self.bonus])  # [r]
-        hidden = self.hidden.float()  # [B, H]
-        r, H = head.rank, hidden.shape[-1]
-        if head.head_type == "gated":  # gate = sigmoid(G_h h_k + g + G_e e): the h part once per slot
-            g = head.gate_proj.weight.float()
-            slot_part = cpu(hidden @ g[:, :H].T.to(hidden.device) + head.gate_proj.bias.float().to(hidden.device))
-            emb_w = cpu(g[:, H:])  # [B, r], [r, r]
-        elif head.head_type == "rnn":  # [a; c; o] = J_s s + J_e e + J_h h_k + j: the h part once per slot
-            j = head.joint_proj.weight.float()
-            slot_part = cpu(hidden @ j[:, 2 * r:].T.to(hidden.device) + head.joint_proj.bias.float().to(hidden.device))
-            state_w, emb_w = cpu(j[:, :r]), cpu(j[:, r:2 * r])  # [B, 3r]; [3r, r] each
+        def rows(w: torch.Tensor, index) -> np.ndarray:
+            """Rows of a weight (on its device, any dtype) as float32 numpy."""
+            index = torch.as_tensor(index, device=w.device)
+            return w.index_select(0, index.reshape(-1)).view(*index.shape, -1).to("cpu", torch.float32).numpy()
+
+        w1_rows: dict[int, tuple[np.ndarray, dict]] = {}  # depth -> (W1 of its candidates [M, r], token -> row)
+        w2_rows: dict[int, np.ndarray] = {}  # depth -> W2 of its candidates [M, r]
+
+        def w1_of(depth: int, token: int) -> np.ndarray:
+            if depth not in w1_rows:
+                w1_rows[depth] = rows(w1_full, ids_np[depth - 1]), dict(zip(ids_np[depth - 1].tolist(), range(M)))
+            table, column = w1_rows[depth]
+            return table[column[token]]
+
+        # gated: gate = sigmoid(G_h h_k + g + G_e e); rnn: [a; c; o] = J_s s + J_e e + J_h h_k + j.
+        # The h_k part depends on the slot only: one matmul for all slots (reads G_h / J_h once).
+        proj = head.gate_proj if head.head_type == "gated" else head.joint_proj
+        if proj is not None:
+            w = proj.weight.detach()
+            w_h = w[:, :H] if head.head_type == "gated" else w[:, 2 * r:]  # gate_proj reads [h ; e], joint [s ; e ; h]
+            slot_part = torch.addmm(proj.bias.detach(), self.hidden.to(w.device, w.dtype), w_h.T)
+            slot_part = slot_part.to("cpu", torch.float32).numpy()  # [B, r] or [B, 3r]
+            # the rest of the weight: G_e [r, r], or [J_s J_e] [3r, 2r] applied to [s ; e] at once
+            emb_w = (w[:, H:] if head.head_type == "gated" else w[:, :2 * r]).to("cpu", torch.float32).numpy()
 
         def vector(e: np.ndarray, carry, slot: int):
             """u of block slot `slot` after a token with W1 row e, and the state after it (rnn)."""
@@ -226,20 +238,19 @@ class MarkovScorer:
                 return e, None
             if head.head_type == "gated":
                 return e / (1.0 + np.exp(-(slot_part[slot] + emb_w @ e))), None
-            a, c, o = np.split(slot_part[slot] + state_w @ carry + emb_w @ e, 3)
+            a, c, o = np.split(slot_part[slot] + emb_w @ np.concatenate([carry, e]), 3)
             gate = 1.0 / (1.0 + np.exp(-a))
             return np.tanh(o), gate * carry + (1.0 - gate) * np.tanh(c)
 
+        bonus_emb = rows(w1_full, [self.bonus])[0]  # [r]
+
         def expand(token: int, carry, depth: int):
-            if depth == 0:
-                e = bonus_emb
-            else:
-                e = w1[depth - 1, column[depth - 1][token]] if gathered else w1[token]
-            u, child_carry = vector(e, carry, depth + 1)
-            z = vals[depth].copy()  # [M+T]: candidates, then the best non-candidates
-            z[:M] += w2[depth] @ u if gathered else (w2 @ u)[ids_np[depth, :M]]
-            peak = z[:M].max()
-            log_norm = np.logaddexp(rest[depth], peak + np.log(np.exp(z[:M] - peak).sum()))
+            u, child_carry = vector(bonus_emb if depth == 0 else w1_of(depth, token), carry, depth + 1)
+            if depth not in w2_rows:
+                w2_rows[depth] = rows(w2_full, ids_np[depth])
+            z = vals[depth] + w2_rows[depth] @ u  # [M] the candidates' logits with the bias
+            peak = z.max()
+            log_norm = np.logaddexp(rest[depth], peak + np.log(np.exp(z - peak).sum()))
             order = np.argsort(-z, kind="stable")[:K]  # ties: the better backbone rank first
             return (z[order] - log_norm).tolist(), ids_np[depth, order].tolist(), child_carry
 

@@ -181,13 +181,13 @@ def test_cuda_input_gives_cpu_tree():
 
 def markov_reference(head, base: torch.Tensor, hidden: torch.Tensor, bonus: int, candidates: int):
     """The distribution dspark.MarkovScorer documents, recomputed in float64 with the head's own
-    `step`: cond_logp(path)[v] = log p(token v at depth len(path)+1 | the path's tokens)."""
+    `step`: cond_logp(path)[v] = log p(token v at depth len(path)+1 | the path's tokens), and the
+    candidate tokens of each depth (the backbone's top-M, the only tokens a tree node may carry)."""
     import copy
 
     head = copy.deepcopy(head).double()
     base, hidden = base.double(), hidden.double()
-    V = base.shape[1]
-    cand = torch.topk(base, min(candidates, V), dim=-1).indices  # [L, M]
+    cand = torch.topk(base, min(candidates, base.shape[1]), dim=-1).indices  # [L, M]
 
     def cond_logp(path: tuple) -> list[float]:
         d = len(path)
@@ -197,22 +197,21 @@ def markov_reference(head, base: torch.Tensor, hidden: torch.Tensor, bonus: int,
             u, state = head.step(state, head.markov_w1.weight[prevs[slot]], hidden[slot])
         z = base[d].clone()
         z[cand[d]] += head.markov_w2.weight[cand[d]] @ u  # the bias on the candidate columns only
-        return torch.log_softmax(z, -1).tolist()
+        return torch.log_softmax(z, -1).tolist()  # normalised over the whole vocabulary
 
-    return cond_logp
+    return cond_logp, cand.tolist()
 
 
-def conditional_order(cond_logp, L: int, V: int) -> tuple[list[tuple], dict[tuple, float]]:
-    """Every token path up to length L, best first by (score, rank path), where a token's rank
-    is its place in its own parent's conditional distribution."""
+def conditional_order(cond_logp, cand: list[list[int]]) -> tuple[list[tuple], dict[tuple, float]]:
+    """Every path of candidate tokens up to depth L, best first by (score, rank path), where a
+    token's rank is its place among its parent's children (by the parent's conditional log-prob)."""
     scored, scores = [], {}
     frontier = [((), 0.0, ())]
-    for _ in range(L):
+    for d in range(len(cand)):
         nxt = []
         for path, score, ranks in frontier:
             logp = cond_logp(path)
-            order = sorted(range(V), key=lambda v: -logp[v])
-            for r, v in enumerate(order):
+            for r, v in enumerate(sorted(cand[d], key=lambda v: -logp[v])):
                 p, s = path + (v,), score + logp[v]
                 scores[p] = s
                 scored.append((-round(s, 9), ranks + (r,), p))
@@ -237,34 +236,37 @@ def random_markov_scorer(head_type: str, L: int, V: int, candidates: int, seed: 
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
-@pytest.mark.parametrize("L, V, candidates", [(2, 4, 2), (2, 4, 4), (3, 5, 1), (3, 5, 3), (3, 5, 99)])
+@pytest.mark.parametrize("L, V, candidates", [(2, 4, 2), (2, 4, 4), (3, 5, 1), (3, 5, 3), (3, 5, 99), (2, 30, 6)])
 def test_conditional_tree_matches_brute_force(head_type, L, V, candidates):
     """The path-conditioned tree holds the top-`budget` prefixes under the conditional scores the
     builder documents (the Markov bias on the backbone's top-`candidates` tokens per depth, the
     exact conditional distribution once candidates >= V), for every budget."""
     head, base, hidden, bonus, scorer = random_markov_scorer(head_type, L, V, candidates, seed=L * 100 + V + candidates)
-    paths, scores = conditional_order(markov_reference(head, base, hidden, bonus, candidates), L, V)
-    assert len(paths) == sum(V ** d for d in range(1, L + 1))
-    assert paths != full_vocab_order(base)[0]  # the conditioning changes the order of the prefixes
+    cond_logp, cand = markov_reference(head, base, hidden, bonus, candidates)
+    paths, scores = conditional_order(cond_logp, cand)
+    M = min(candidates, V)
+    assert len(paths) == sum(M ** d for d in range(1, L + 1))
+    marginal = full_vocab_order(base)[1]
+    assert max(abs(scores[p] - marginal[p]) for p in paths) > 0.1  # the scores really are conditional
     for budget in budgets_for(len(paths)):
         tree = build_tree(base, budget, scorer)
         check_tree(tree, paths[:max(budget, 0)], scores)
-        if budget > 0:  # each node's best child is its conditional argmax, in the tree or not
+        if budget > 0:  # each node's best child is its conditional argmax among the candidates
             for i, p in enumerate(node_paths(tree), start=1):
                 if len(p) < L:
-                    logp = markov_reference(head, base, hidden, bonus, candidates)(p)
-                    assert tree.best_child[i] == max(range(V), key=lambda v: logp[v])
+                    logp = cond_logp(p)
+                    assert tree.best_child[i] == max(cand[len(p)], key=lambda v: logp[v])
 
 
 @pytest.mark.parametrize("candidates", [1, 3, 7, 40])
 def test_conditional_tree_without_bias_is_the_plain_tree(candidates):
-    """With W2 = 0 the conditional distribution is the backbone's marginal whatever the parent,
-    for every candidate count: the tree is today's DDTree."""
+    """With W2 = 0 the conditional distribution is the backbone's marginal whatever the parent:
+    whenever the candidates cover the top-K (K = min(budget, V)), the tree is today's DDTree."""
     for head_type in ["vanilla", "gated", "rnn"]:
         head, base, hidden, bonus, scorer = random_markov_scorer(head_type, 4, 40, candidates, seed=candidates)
         with torch.no_grad():
             head.markov_w2.weight.zero_()
-        for budget in [1, 5, 30, 120]:
+        for budget in [b for b in [1, 3, 5, 7, 30, 120] if min(b, 40) <= candidates]:
             a, b = build_tree(base, budget, scorer), build_tree(base, budget)
             for name in ["tokens", "depths", "parents", "visibility"]:
                 assert torch.equal(getattr(a, name), getattr(b, name)), name

@@ -235,8 +235,8 @@ def main():
                        f"data.num_anchors={args.anchors}", f"model.block_size={BLOCK}",
                        f"model.num_layers={DRAFT_LAYERS}", f"model.target_layer_ids={OUR_TAPS}",
                        f"train.batch_size={args.batch_size}", "train.grad_accum=1", f"train.lr={LR}",
-                       "train.weight_decay=0.0", "train.clip_grad=1.0", "train.precision=fp32", "loss.ce_weight=1.0",
-                       "loss.kl_weight=0.0", "loss.ce_labels=target", f"loss.gamma={GAMMA}", f"seed={args.seed}",
+                       "train.weight_decay=0.0", "train.clip_grad=1.0", "train.precision=fp32", "loss.terms={ce: 1.0}",
+                       "loss.position_weight=exp", "loss.ce_labels=target", f"loss.gamma={GAMMA}", f"seed={args.seed}",
                        "log_every=1000", "overwrite=true"]
         ours = {"ours, offline (fp32 cache)": (tmp / "ours_offline", [f"data.hidden_state_cache={cache}"]),
                 "ours, online (target in step)": (tmp / "ours_online", [])}

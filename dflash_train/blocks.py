@@ -2,8 +2,12 @@
 
 For a batch [b, T]: anchors [b, A] (block j = [token at anchor j, MASK x (B-1)]), the target's
 taps (online forward or offline cache), one drafter pass over all A*B block tokens, and for
-every drafted slot k = 1..B-1 the drafter's logits, the target's logits and label, and whether
-the slot counts (inside the sequence, on an assistant token, anchor valid).
+every drafted slot k = 1..B-1 the drafter's hidden state, the target's hidden state that
+predicts the same token, the data's token there, and whether the slot counts (inside the
+sequence, on an assistant token, anchor valid). Both go through the target's LM head in the
+loss, chunk by chunk (dflash_train/loss.py): [b, A, K, V] logits are never built whole.
+A DSpark drafter's heads run on the true previous tokens (teacher forcing): its Markov vectors
+u (the bias is u . W2, added in the loss's chunks) and confidence logits come along.
 """
 
 from dataclasses import dataclass
@@ -20,14 +24,14 @@ from dflash_train.target import Target, target_forward
 
 @dataclass
 class BlockOutputs:
-    draft_logits: torch.Tensor  # [b, A, K, V], K = B-1 drafted slots (DSpark: with the teacher-forced Markov bias)
-    target_logits: torch.Tensor  # [b, A, K, V], the target's distribution for the same tokens
-    labels: torch.Tensor  # [b, A, K]
+    draft_hidden: torch.Tensor  # [b, A, K, H], K = B-1 drafted slots; logits = target.lm_head(.)
+    target_hidden: torch.Tensor  # [b, A, K, H], the target's final-normed state predicting the same tokens
+    tokens: torch.Tensor  # [b, A, K], the data's token at each slot
     valid: torch.Tensor  # [b, A, K] bool
-    confidence_logits: torch.Tensor | None = None  # [b, A, K], DSpark's confidence head
-    # What a path-conditioned tree needs (only with tree_inputs=True, for validation):
-    base_logits: torch.Tensor | None = None  # [b, A, K, V] the backbone's logits, before the Markov bias
-    hidden: torch.Tensor | None = None  # [b, A, B, H] the backbone's final hidden states
+    # DSpark (None for DFlash): teacher-forced Markov vectors of slots 1..K, logits += u . W2
+    markov_u: torch.Tensor | None = None  # [b, A, K, r]
+    confidence_logits: torch.Tensor | None = None  # [b, A, K]
+    block_hidden: torch.Tensor | None = None  # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
     bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
 
 
@@ -47,10 +51,9 @@ def block_slots(batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor,
 
 
 def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
-                    block_size: int, mask_id: int, ce_labels: str = "target",
-                    cache: HiddenStateCache | None = None, tree_inputs: bool = False) -> BlockOutputs:
-    """One target pass (or a cache read) and one drafter pass over every anchored block of the batch.
-    A DSpark drafter's heads then run on the true previous tokens (teacher forcing)."""
+                    block_size: int, mask_id: int, cache: HiddenStateCache | None = None) -> BlockOutputs:
+    """One target pass (or a cache read) and one drafter pass over every anchored block of the batch,
+    then a DSpark drafter's heads on the true previous tokens."""
     ids = batch.input_ids
     b, T = ids.shape
     A, K = anchors.shape[1], block_size - 1
@@ -65,21 +68,17 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
         pos, valid = block_slots(batch, anchors, anchor_valid, block_size)  # [b, A, K]
         # The target's distribution for the token at a+k is its output at a+k-1.
         H = last.shape[-1]
-        t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H))
-        target_logits = target.lm_head(t_hidden).view(b, A, K, -1)
-        labels = target_logits.argmax(-1) if ce_labels == "target" else ids.gather(1, pos.flatten(1)).view(b, A, K)
-    hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool()).view(b, A, block_size, -1)
-    # slots 1..B-1, made contiguous: the LM head is then one matmul, not A small batched ones
-    logits = target.lm_head(hidden[:, :, 1:].reshape(b, A * K, -1)).view(b, A, K, -1)
+        t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H)).view(b, A, K, H)
+        tokens = ids.gather(1, pos.flatten(1)).view(b, A, K)
+    block_hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool()).view(b, A, block_size, -1)
+    # slots 1..B-1, made contiguous: the LM head is then one matmul per chunk, not A small batched ones
+    hidden = block_hidden[:, :, 1:].contiguous()
     model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
-    base, confidence = logits, None
-    if model.config.variant == "dspark":
-        with torch.no_grad():  # the true tokens at slots 0..B-1 (past the sequence: invalid slots anyway)
-            block_tokens = torch.cat([block_ids[:, :, :1], ids.gather(1, pos.flatten(1)).view(b, A, K)], dim=2)
-        logits, confidence = dspark.teacher_forced(model, hidden, block_tokens, logits)
-    if not tree_inputs:
-        return BlockOutputs(logits, target_logits, labels, valid, confidence)
-    return BlockOutputs(logits, target_logits, labels, valid, confidence, base, hidden, block_ids[:, :, 0])
+    if model.config.variant != "dspark":
+        return BlockOutputs(hidden, t_hidden, tokens, valid)
+    block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)  # [b, A, B] the true tokens at slots 0..B-1
+    u, confidence = dspark.teacher_forced(model, block_hidden, block_tokens)
+    return BlockOutputs(hidden, t_hidden, tokens, valid, u, confidence, block_hidden, block_ids[:, :, 0])
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],
@@ -121,12 +120,10 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
     return counts
 
 
-def confidence_counts(confidence_logits: torch.Tensor, draft_logits: torch.Tensor, target_logits: torch.Tensor,
-                      valid: torch.Tensor) -> torch.Tensor:
+def confidence_counts(confidence_logits: torch.Tensor, alpha: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Calibration of DSpark's confidence head, teacher-forced: per slot k the summed predicted
-    acceptance sigmoid(c_k), the summed measured rate alpha_k = sum_v min(p_v, q_v), and the
-    count of valid slots. Returns summable counts [3K]."""
+    acceptance sigmoid(c_k), the summed measured rate alpha_k = sum_v min(p_v, q_v) (the loss's),
+    and the count of valid slots. Returns summable counts [3K]."""
     v = valid.float()
     predicted = (torch.sigmoid(confidence_logits.float()) * v).flatten(0, -2).sum(0)
-    alpha = (dspark.acceptance_rate(draft_logits, target_logits) * v).flatten(0, -2).sum(0)
-    return torch.cat([predicted, alpha, v.flatten(0, -2).sum(0)]).double()
+    return torch.cat([predicted, (alpha.float() * v).flatten(0, -2).sum(0), v.flatten(0, -2).sum(0)]).double()

@@ -61,7 +61,7 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias, **dspark_fields(m),
+        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m),
     )
 
 
@@ -83,7 +83,8 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     check_matches_target(drafter.config, target)
     loaded = drafter.config
     fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
-              ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"), ("variant", "variant")]
+              ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
+              ("block_attention", "block_attention"), ("variant", "variant")]
     if loaded.variant == "dspark":
         fields += [("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
                    ("confidence_head", "confidence_head")]
@@ -220,17 +221,14 @@ def count_parameters(drafter: torch.nn.Module) -> int:
 
 # --- training checkpoints: everything an exact resume needs --------------------------------------
 
-def save_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict,
-                    weights: dict | None = None) -> None:
-    """checkpoints/step_N/: the drafter (loadable like final/) plus `state` (step, optimizer,
-    scheduler, data position, RNG, counters), written to a temporary folder and renamed, so a
-    restart never sees half a checkpoint."""
-    def write(tmp: Path):
-        write_drafter(tmp, drafter, target, recipe_yaml, weights)
-        torch.save(state, tmp / "trainer_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
-
-    write_atomically(folder, write)
+def write_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict,
+                     weights: dict | None = None) -> None:
+    """Into `folder` (a temporary folder the trainer renames to checkpoints/step_N/ when complete):
+    the drafter (loadable like final/) plus `state` (step, optimizer, scheduler, data position,
+    counters); trainer_state.json last, so it marks a complete checkpoint."""
+    write_drafter(folder, drafter, target, recipe_yaml, weights)
+    torch.save(state, folder / "trainer_state.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
 
 
 def newest_checkpoint(out: Path) -> Path | None:

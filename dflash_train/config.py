@@ -7,7 +7,7 @@ Each YAML in recipes/ maps onto these classes key for key.
 """
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -15,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dflash_train.errors import UserError
 
 DEFAULT_RECIPE = "recipes/tiny.yaml"
+# Keys that were replaced: an old recipe stops with one line naming the new key.
+REPLACED_KEYS = {
+    "loss.ce_weight": "loss.terms (ce_weight: 1.0, kl_weight: 0.5 -> terms: {ce: 1.0, kl: 0.5})",
+    "loss.kl_weight": "loss.terms (ce_weight: 1.0, kl_weight: 0.5 -> terms: {ce: 1.0, kl: 0.5})",
+}
 
 
 class Section(BaseModel):
@@ -35,6 +40,8 @@ class ModelConfig(Section):
     # ...or an embedding row given by id, for targets whose tokenizer has no mask token: Qwen3
     # has 151669 tokens but 151936 embedding rows, and DFlash uses row 151669 as its mask.
     mask_token_id: int | None = Field(None, ge=0)
+    # In-block attention: bidirectional (DFlash) or causal (JetSpec-style: slot i sees slots <= i).
+    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None
@@ -56,18 +63,32 @@ class DataConfig(Section):
     hidden_state_cache: str | None = None
 
 
+TermName = Literal["ce", "kl", "rkl", "jsd", "tv", "nla", "lk_hybrid"]
+
+
 class LossConfig(Section):
-    ce_weight: float = Field(1.0, ge=0)  # cross-entropy to the target's (or the data's) tokens
-    kl_weight: float = Field(0.0, ge=0)  # KL(target || drafter) on the full distributions
+    # Per-slot terms and their weights, summed (formulas in dflash_train/loss.py; p = target,
+    # q = drafter): ce (to ce_labels), kl = KL(p||q), rkl = KL(q||p), jsd, tv = 1 - alpha,
+    # nla = -log alpha, lk_hybrid. A term of weight 0 is computed and reported, not trained.
+    terms: dict[TermName, Annotated[float, Field(ge=0)]] = {"ce": 1.0}
     ce_labels: Literal["target", "data"] = "target"  # target = the target's greedy tokens
-    gamma: float = Field(4.0, gt=0)  # block position k weighs exp(-(k-1)/gamma); 7 for B=16
+    lk_eta: float = Field(3.0, ge=0)  # lk_hybrid: lam = exp(-lk_eta * alpha)
+    # Slot weights: exp = exp(-(k-1)/gamma) (DFlash), dpace = D-PACE from the drafter's own
+    # per-slot confidence (speculators' DFlash default), uniform = 1.
+    position_weight: Literal["exp", "dpace", "uniform"] = "exp"
+    gamma: float = Field(4.0, gt=0)  # exp: block position k weighs exp(-(k-1)/gamma); 7 for B=16
+    dpace_alpha: float = Field(0.5, gt=0, le=1)  # dpace: confidence smoothing s = (1-a) exp(-ce) + a
+    until_first_failure: bool = False  # AUF: supervise each block only through its first argmax miss
+    # Slots per chunk of the full-vocabulary loss (rounded down to whole blocks): bounds its
+    # memory to a few [chunk_slots, V] fp32 tensors; 0 = the whole batch at once.
+    chunk_slots: int = Field(512, ge=0)
     # DSpark's confidence head: BCE toward the detached per-slot acceptance rate sum_v min(p_v, q_v)
     confidence_weight: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _some_loss(self):
-        if self.ce_weight == 0 and self.kl_weight == 0:
-            raise ValueError("ce_weight and kl_weight are both 0: nothing to train on")
+        if not any(self.terms.values()):
+            raise ValueError("loss.terms has no term with a positive weight: nothing to train on")
         return self
 
 
@@ -122,7 +143,7 @@ def _format_error(e: ValidationError) -> str:
     err = e.errors()[0]
     key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"unknown key '{key}'"
+        return f"'{key}' was replaced by {REPLACED_KEYS[key]}" if key in REPLACED_KEYS else f"unknown key '{key}'"
     where = f"'{key}': " if key else ""
     return f"{where}{err['msg']} (got {err['input']!r})"
 

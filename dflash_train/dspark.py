@@ -69,12 +69,11 @@ class MarkovHead(nn.Module):
         return torch.stack(out, dim=1)
 
     def forward(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Teacher-forced bias: prev_tokens [N, B] (slot k's previous token), hidden [N, B, H] ->
-        (bias of the drafted slots 1..B-1 [N, B-1, V], prev_emb [N, B, r] for the confidence head).
-        A module forward, so FSDP / ZeRO-3 hooks gather the head's weights around it."""
+        """Teacher-forced: prev_tokens [N, B] (slot k's previous token), hidden [N, B, H] ->
+        (u [N, B, r] of every slot: slot k's bias is markov_w2(u_k); prev_emb [N, B, r] for the
+        confidence head). The [.., V] bias is left to the loss, which adds it chunk by chunk."""
         prev_emb = self.markov_w1(prev_tokens)
-        u = self.vectors(prev_emb, hidden.to(prev_emb.dtype))
-        return self.markov_w2(u[:, 1:]), prev_emb
+        return self.vectors(prev_emb, hidden.to(prev_emb.dtype)), prev_emb
 
 
 class ConfidenceHead(nn.Module):
@@ -112,22 +111,28 @@ def previous_tokens(block_tokens: torch.Tensor) -> torch.Tensor:
     return torch.cat([block_tokens[..., :1], block_tokens[..., :-1]], dim=-1)
 
 
-def teacher_forced(drafter, hidden: torch.Tensor, block_tokens: torch.Tensor, logits: torch.Tensor):
-    """Training and validation: the heads on the true previous tokens.
-    hidden [b, A, B, H], block_tokens [b, A, B] (the true tokens at slots 0..B-1), logits [b, A, K, V]
-    (the backbone's, slots 1..B-1) -> (logits with the Markov bias [b, A, K, V], confidence logits
-    [b, A, K] or None)."""
+def teacher_forced(drafter, hidden: torch.Tensor, block_tokens: torch.Tensor):
+    """Training and validation: the heads on the true previous tokens. hidden [b, A, B, H] (the
+    backbone's, every slot), block_tokens [b, A, B] (the true tokens at slots 0..B-1) ->
+    (u [b, A, K, r] of the drafted slots 1..B-1, whose logits are lm_head(h) + markov_w2(u), or
+    None without a Markov head; confidence logits [b, A, K] or None)."""
     b, A, B, H = hidden.shape
     flat_h, prev = hidden.reshape(b * A, B, H), previous_tokens(block_tokens).reshape(b * A, B)
-    prev_emb = None
+    u = prev_emb = None
     if drafter.markov_head is not None:
-        bias, prev_emb = drafter.markov_head(prev, flat_h)  # [bA, K, V], [bA, B, r]
-        logits = logits + bias.view(b, A, B - 1, -1).to(logits.dtype)
+        u, prev_emb = drafter.markov_head(prev, flat_h)  # [bA, B, r] each
+        u = u[:, 1:].reshape(b, A, B - 1, -1)
     confidence = None
     if drafter.confidence_head is not None:
         emb = prev_emb[:, 1:] if prev_emb is not None else None
         confidence = drafter.confidence_head(flat_h[:, 1:], emb).view(b, A, B - 1)
-    return logits, confidence
+    return u, confidence
+
+
+def markov_logits(lm_head, markov_head: MarkovHead | None, hidden: torch.Tensor, u: torch.Tensor | None):
+    """Whole logits of drafted slots: lm_head(hidden) + markov_w2(u) (hidden [.., H], u [.., r])."""
+    logits = lm_head(hidden)
+    return logits if markov_head is None else logits + markov_head.markov_w2(u.to(logits.dtype))
 
 
 @torch.no_grad()
@@ -258,14 +263,6 @@ class MarkovScorer:
         if head.head_type == "rnn":  # slot 0 advances the state (its own prediction is not drafted)
             _, root_carry = vector(bonus_emb, np.zeros(r, dtype=np.float32), 0)
         return expand, self.bonus, root_carry
-
-
-def acceptance_rate(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """alpha = sum_v min(p_v, q_v) per slot [...] (p target, q drafter): the probability that
-    speculative sampling accepts the slot's draft. Full-vocabulary softmaxes in float32."""
-    p = F.softmax(target_logits.float(), dim=-1)
-    q = F.softmax(draft_logits.float(), dim=-1)
-    return torch.minimum(p, q).sum(-1)
 
 
 def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weights: torch.Tensor,

@@ -148,7 +148,8 @@ def training_section(recipe_text: str | None, fmt: str) -> str:
         f"Trained with dflash-train against `{m['target']}` for **{r['max_steps']} steps** "
         f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
         f"{t['warmup_ratio']} warmup, clip {t['clip_grad']}), {d['num_anchors']} anchors per sequence, "
-        f"loss CE {loss['ce_weight']} / KL {loss['kl_weight']} with gamma {loss['gamma']}"
+        f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} slot weights"
+        f"{' and accept-until-fail' if loss['until_first_failure'] else ''}"
         + (f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
            if m.get("variant") == "dspark" and m.get("confidence_head") else "."),
         f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",

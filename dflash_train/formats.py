@@ -6,6 +6,15 @@ vLLM as `method: dspark`); the native DFlash format has no place for their heads
 
 Layer ids: ours and native DFlash store z-lab `target_layer_ids` (tap k = decoder layer k =
 transformers hidden_states[k+1]); Speculators stores `aux_hidden_state_layer_ids` = those + 1.
+
+In-block attention, as vLLM 0.33 derives it (`_dflash_layer_causal` in qwen3_dflash.py: the
+draft config's top-level `is_causal` wins, then `dflash_config.causal`, then "causal only for
+sliding-window layers"; for Speculators configs `update_dflash` sets `dflash_config.causal =
+not sliding_window_non_causal`, defaulting to True when the key is absent). So both exports
+state it explicitly: `is_causal` (in transformer_layer_config for Speculators, top level for
+native), `dflash_config.causal` (native) and `sliding_window_non_causal = not causal`
+(Speculators). speculators' own DFlash model only applies causality to sliding-window
+layers, so it runs a causal drafter's full-attention layers bidirectionally.
 """
 
 import json
@@ -33,6 +42,10 @@ def detect_format(config: dict) -> str:
                     "(dflash-train, speculators 'dflash' or 'dspark', or native DFlashDraftModel)")
 
 
+def _block_attention(causal) -> str:
+    return "causal" if causal else "bidirectional"
+
+
 def _qwen3(fields: dict) -> dict:
     out = {k: fields[k] for k in QWEN3_FIELDS if k in fields}
     if "rope_parameters" not in out and "rope_theta" in fields:  # configs written before transformers 5
@@ -50,18 +63,23 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
         if fmt == SPECULATORS:
             tl = config["transformer_layer_config"]
             extra = config.get("dflash_train", {})
+            # speculators runs full-attention layers bidirectionally; an explicit is_causal (ours) says otherwise
             cfg = DrafterConfig(**_qwen3(tl), block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                                 target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
-                                num_target_layers=extra.get("num_target_layers"), **_speculators_dspark(config))
+                                num_target_layers=extra.get("num_target_layers"),
+                                block_attention=_block_attention(tl.get("is_causal")), **_speculators_dspark(config))
             verifier = config.get("speculators_config", {}).get("verifier", {})
             return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
                                                    "revision": (config.get("verifier_pin") or {}).get("revision")},
                          "mask_token": extra.get("mask_token")}
         dflash = config["dflash_config"]
         block = config.get("block_size") or dflash["block_size"]
+        # as vLLM resolves it for full-attention layers: is_causal, then dflash_config.causal, else non-causal
+        causal = config.get("is_causal")
         cfg = DrafterConfig(**_qwen3(config), block_size=block, mask_token_id=dflash["mask_token_id"],
                             target_layer_ids=list(dflash["target_layer_ids"]),
-                            num_target_layers=config.get("num_target_layers"))
+                            num_target_layers=config.get("num_target_layers"),
+                            block_attention=_block_attention(dflash.get("causal") if causal is None else causal))
         pin = config.get("verifier_pin") or {}
         return cfg, {"format": fmt, "target": {"name_or_path": pin.get("name_or_path"), "revision": pin.get("revision")},
                      "mask_token": (config.get("dflash_train") or {}).get("mask_token")}
@@ -102,6 +120,9 @@ def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures
     from speculators.models.dspark import DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
+    causal = cfg.block_attention == "causal"
+    layer_config = cfg.qwen3_config()
+    layer_config.is_causal = causal  # vLLM reads it before anything else (see the module docstring)
     config_class, dspark = DFlashSpeculatorConfig, {}
     if cfg.variant == "dspark":
         config_class = DSparkSpeculatorConfig
@@ -110,13 +131,15 @@ def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures
                   "confidence_head_with_markov": cfg.confidence_head_with_markov}
     return config_class(
         **dspark,
-        transformer_layer_config=cfg.qwen3_config(),
+        transformer_layer_config=layer_config,
         draft_vocab_size=cfg.vocab_size,  # full vocabulary: no lm_head / d2t / t2d are saved
         block_size=cfg.block_size,
         target_hidden_size=cfg.hidden_size,
         aux_hidden_state_layer_ids=[k + 1 for k in cfg.target_layer_ids],
         mask_token_id=cfg.mask_token_id,
         sample_from_anchor=False,  # block slot 0 is the bonus token: B-1 speculative tokens
+        # vLLM: dflash_config.causal = not this (absent: causal); speculators: SWA layers only
+        sliding_window_non_causal=not causal,
         speculators_config=SpeculatorsConfig(
             algorithm=cfg.variant,
             proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.block_size - 1)],
@@ -137,9 +160,12 @@ def native_config(cfg: DrafterConfig, pin: dict, mask_token: str | None) -> dict
     q = {**qwen3.to_diff_dict(), **{k: getattr(qwen3, k) for k in QWEN3_FIELDS}, "hidden_act": qwen3.hidden_act}
     for k in ("architectures", "auto_map", "transformers_version", "dtype", "torch_dtype"):
         q.pop(k, None)
+    causal = cfg.block_attention == "causal"
     return {"architectures": ["DFlashDraftModel"], **q, "model_type": "qwen3", "block_size": cfg.block_size,
             "num_target_layers": cfg.num_target_layers, "tie_word_embeddings": False,
-            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)},
+            "is_causal": causal,  # vLLM reads it first; z-lab configs omit it (non-causal full layers)
+            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                              "causal": causal},
             "verifier_pin": pin, "dflash_train": {"mask_token": mask_token}}
 
 

@@ -6,7 +6,14 @@ training), H hidden size, h/kvh query/key-value heads, d head dim, n number of t
 How the target's hidden states enter (DFlash, see shared/reference/dflash.md):
     taps [b, t, n*H] --fc (no bias)--> [b, t, H] --hidden_norm--> ctx [b, t, H]
     every layer l:  K/V = [k_norm(k_proj_l(ctx)) + RoPE(ctx positions) ; K/V of the block]
-                    Q   = from the block only, attention non-causal.
+                    Q   = from the block only.
+Each layer projects the context K/V inside its own forward (as the reference models do), so
+per-layer wrappers (FSDP2's fully_shard, activation checkpointing, per-layer compile) see every
+use of a layer's weights inside that layer's call.
+
+In-block attention (`block_attention`): "bidirectional" (DFlash: every slot sees the whole
+block) or "causal" (JetSpec-style: slot i sees slots <= i). Context visibility is the same.
+
 The target's embeddings and LM head are shared and frozen; they are NOT part of this
 module (its state_dict is exactly the trainable weights, named as Speculators names
 DFlash weights), so the caller embeds the block and applies the LM head.
@@ -14,6 +21,7 @@ DFlash weights), so the caller embeds the block and applies the LM head.
 
 import functools
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +58,8 @@ class DrafterConfig:
     max_position_embeddings: int = 40960
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
     attention_bias: bool = False
+    # In-block attention: DFlash's bidirectional block, or JetSpec-style causal (slot i sees <= i).
+    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
     # DSpark (dflash_train/dspark.py): a Markov logit-bias head of rank markov_rank (0: none) and a
     # confidence head, whose input includes the Markov embedding when confidence_head_with_markov.
     variant: str = "dflash"
@@ -80,8 +90,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, c: Qwen3Config):
+    def __init__(self, c: Qwen3Config, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx  # its slot in a ContextCache
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.attention_bias)
         self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
@@ -97,13 +108,20 @@ class DFlashAttention(nn.Module):
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x [b, q, H] (block, normed); ctx_k/v [b, kvh, t, d]; mask [b, 1, q, t+q] bool, a flex
-        BlockMask of the same visibility, or None (all visible)."""
+    def forward(self, x, rope, ctx, ctx_rope, mask, cache: "ContextCache | None" = None):
+        """x [b, q, H] (block, normed), rope = (cos, sin) [b, q, d] at the block's positions;
+        ctx [b, t, H] fused context at ctx_rope's positions (training: the whole sequence;
+        inference: the tokens accepted since the last pass, t may be 0); with `cache`, ctx's
+        K/V are appended to this layer's cached context and the block attends to all of it.
+        mask [b, 1, q, t+q] bool, a flex BlockMask of the same visibility, or None (all visible)."""
         b, q_len, _ = x.shape
+        cos, sin = rope
         q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
+        ctx_k, ctx_v = self.project_kv(ctx, *ctx_rope)  # [b, kvh, t, d]
+        if cache is not None:
+            ctx_k, ctx_v = cache.update(self.layer_idx, ctx_k, ctx_v)
         k = torch.cat([ctx_k, k_blk], dim=2)  # [b, kvh, t+q, d]
         v = torch.cat([ctx_v, v_blk], dim=2)
         if isinstance(mask, BlockMask):  # block-sparse training mask: only visible tiles are computed
@@ -115,23 +133,25 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer whose attention also sees the context K/V."""
+    """Pre-norm Qwen3 layer whose attention also sees the context K/V (projected here, by this layer)."""
 
-    def __init__(self, c: Qwen3Config):
+    def __init__(self, c: Qwen3Config, layer_idx: int):
         super().__init__()
-        self.self_attn = DFlashAttention(c)
+        self.self_attn = DFlashAttention(c, layer_idx)
         self.mlp = Qwen3MLP(c)
         self.input_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx_k, ctx_v, mask)
+    def forward(self, x, rope, ctx, ctx_rope, mask, cache: "ContextCache | None" = None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx, ctx_rope, mask, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class ContextCache:
     """Per-layer K/V of the fused context for inference; grows with accepted tokens, can be cropped.
 
+    `extend_context` queues the fused context of newly accepted tokens; the next draft pass
+    hands it to every layer, which projects it with its own k/v weights and appends it here.
     Only context lives here: the block's own K/V are recomputed every draft pass, which is
     what DFlash's `crop(start)` after each pass amounts to.
     """
@@ -139,18 +159,38 @@ class ContextCache:
     def __init__(self, num_layers: int):
         self.k: list[torch.Tensor | None] = [None] * num_layers
         self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ctx [b, s, H], positions [b, s])
 
     def __len__(self) -> int:
-        return 0 if self.k[0] is None else self.k[0].shape[2]
+        cached = 0 if self.k[0] is None else self.k[0].shape[2]
+        return cached + sum(c.shape[1] for c, _ in self.pending)
 
-    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer] = k if self.k[layer] is None else torch.cat([self.k[layer], k], dim=2)
-        self.v[layer] = v if self.v[layer] is None else torch.cat([self.v[layer], v], dim=2)
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The queued context as one (ctx [b, s, H], positions [b, s]), emptying the queue."""
+        if not self.pending:
+            return None
+        ctx, pos = (torch.cat(parts, dim=1) for parts in zip(*self.pending))
+        self.pending = []
+        return ctx, pos
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k/v [b, kvh, s, d] to `layer`'s context; returns all of it."""
+        if self.k[layer] is not None:
+            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` context positions (drop rejected ones)."""
+        """Keep the first `length` context positions (drop rejected ones, queued or cached)."""
+        cached = 0 if self.k[0] is None else self.k[0].shape[2]
         self.k = [None if k is None else k[:, :, :length] for k in self.k]
         self.v = [None if v is None else v[:, :, :length] for v in self.v]
+        keep, kept = max(length - cached, 0), []
+        for ctx, pos in self.pending:
+            if keep > 0:
+                kept.append((ctx[:, :keep], pos[:, :keep]))
+            keep -= ctx.shape[1]
+        self.pending = kept
 
 
 class DFlashDrafter(nn.Module):
@@ -163,7 +203,7 @@ class DFlashDrafter(nn.Module):
         n_taps = len(config.target_layer_ids)
         self.fc = nn.Linear(n_taps * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(c) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
         self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(c)  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False  # training sets it from the recipe
@@ -179,23 +219,27 @@ class DFlashDrafter(nn.Module):
             if m.bias is not None:
                 nn.init.zeros_(m.bias)
 
-    def context_kv(self, taps: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """taps [b, t, n*H], positions [b, t] -> per layer (k, v) [b, kvh, t, d]."""
-        ctx = self.hidden_norm(self.fc(taps))  # [b, t, H]
-        cos, sin = self.rotary_emb(ctx, positions)
-        return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
+    @property
+    def causal(self) -> bool:
+        return self.config.block_attention == "causal"
 
-    def blocks(self, block_embeds, block_positions, ctx_kv, mask=None) -> torch.Tensor:
-        """block_embeds [b, q, H] (target-embedded block tokens), block_positions [b, q],
-        ctx_kv per layer (k, v) [b, kvh, t, d], mask [b, 1, q, t+q] bool or None.
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [b, t, n*H] -> fused context [b, t, H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def blocks(self, block_embeds, block_positions, ctx, ctx_positions, mask=None, cache=None) -> torch.Tensor:
+        """block_embeds [b, q, H] (target-embedded block tokens) at block_positions [b, q];
+        ctx [b, t, H] fused context at ctx_positions [b, t]; mask [b, 1, q, t'+q] bool, a
+        BlockMask or None; cache: a ContextCache (inference) or None (training).
         Returns the final-normed block hidden states [b, q, H]; logits = target LM head of these."""
-        cos, sin = self.rotary_emb(block_embeds, block_positions)
+        rope = self.rotary_emb(block_embeds, block_positions)
+        ctx_rope = self.rotary_emb(ctx, ctx_positions)
         x = block_embeds
-        for layer, (k, v) in zip(self.layers, ctx_kv):
+        for layer in self.layers:
             if self.gradient_checkpointing and self.training:
-                x = checkpoint(layer, x, cos, sin, k, v, mask, use_reentrant=False)
+                x = checkpoint(layer, x, rope, ctx, ctx_rope, mask, cache, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, k, v, mask)
+                x = layer(x, rope, ctx, ctx_rope, mask, cache)
         return self.norm(x)
 
     # --- training: many anchored blocks of one sequence in one pass ---------------------------
@@ -206,43 +250,58 @@ class DFlashDrafter(nn.Module):
         anchors[:, j]); ctx_valid [b, T] bool (False on padding). Returns hidden [b, A*B, H]."""
         b, T, _ = taps.shape
         positions = torch.arange(T, device=taps.device).expand(b, T)
-        ctx_kv = self.context_kv(taps, positions)
         offsets = torch.arange(self.config.block_size, device=taps.device)
         block_positions = (anchors[:, :, None] + offsets).flatten(1)  # [b, A*B]
         mask_fn = anchored_block_block_mask if self.flex_attention else anchored_block_mask
-        mask = mask_fn(anchors, ctx_valid, self.config.block_size)
-        return self.blocks(block_embeds, block_positions, ctx_kv, mask)
+        mask = mask_fn(anchors, ctx_valid, self.config.block_size, self.causal)
+        return self.blocks(block_embeds, block_positions, self.fuse(taps), positions, mask)
 
     # --- inference: one block against a growing context cache ---------------------------------
 
     def extend_context(self, cache: ContextCache, taps: torch.Tensor, positions: torch.Tensor) -> None:
-        """Add the fused K/V of newly accepted tokens (taps [b, s, n*H] at positions [b, s])."""
-        for i, (k, v) in enumerate(self.context_kv(taps, positions)):
-            cache.append(i, k, v)
+        """Queue newly accepted tokens (taps [b, s, n*H] at positions [b, s]) as context; the
+        layers project and cache them in the next `forward_cached`."""
+        cache.pending.append((self.fuse(taps), positions))
 
     def forward_cached(self, block_embeds, block_positions, cache: ContextCache) -> torch.Tensor:
-        """One block [b, B, H] at positions [b, B] attending to everything in the cache."""
-        return self.blocks(block_embeds, block_positions, list(zip(cache.k, cache.v)), mask=None)
+        """One block [b, B, H] at positions [b, B] attending to all context: the cached K/V
+        and the queued context, which this pass caches."""
+        new = cache.take_pending()
+        if new is None:  # nothing accepted since the last pass: an empty context chunk
+            b, H = block_embeds.shape[0], block_embeds.shape[-1]
+            new = (block_embeds.new_zeros(b, 0, H), block_positions[:, :0])
+        mask = None
+        if self.causal:  # all context visible, the block causal; the context length is known once cached
+            t, q = len(cache) + new[0].shape[1], block_embeds.shape[1]
+            mask = torch.ones(q, t + q, dtype=torch.bool, device=block_embeds.device)
+            mask[:, t:] = torch.tril(mask[:, t:])
+            mask = mask[None, None]
+        return self.blocks(block_embeds, block_positions, new[0], new[1], mask, cache)
 
 
-def anchored_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int) -> torch.Tensor:
+def anchored_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int,
+                        causal: bool = False) -> torch.Tensor:
     """Visibility [b, 1, A*B, T + A*B] for the training forward (True = may attend).
 
     A query in block j sees context positions strictly before its anchor (the anchor
     token itself is block slot 0, its target state is not known yet at inference time)
-    and every slot of its own block (non-causal); blocks never see each other.
+    and the slots of its own block: all of them (bidirectional) or those at or before its
+    own slot (causal); blocks never see each other.
     """
     b, A = anchors.shape
     T = ctx_valid.shape[1]
     kv_pos = torch.arange(T, device=anchors.device)
     q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, A*B]
     sees_ctx = (kv_pos[None, None, :] < q_anchor[:, :, None]) & ctx_valid[:, None, :]  # [b, A*B, T]
-    q_block = torch.arange(A * block_size, device=anchors.device) // block_size
-    sees_block = (q_block[:, None] == q_block[None, :]).expand(b, -1, -1)  # [b, A*B, A*B]
-    return torch.cat([sees_ctx, sees_block], dim=2).unsqueeze(1)
+    slot = torch.arange(A * block_size, device=anchors.device)
+    sees_block = slot[:, None] // block_size == slot[None, :] // block_size  # [A*B, A*B]
+    if causal:
+        sees_block = sees_block & (slot[:, None] >= slot[None, :])
+    return torch.cat([sees_ctx, sees_block.expand(b, -1, -1)], dim=2).unsqueeze(1)
 
 
-def anchored_block_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int) -> BlockMask:
+def anchored_block_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int,
+                              causal: bool = False) -> BlockMask:
     """The same visibility as `anchored_block_mask` as a flex-attention BlockMask: with 512
     anchors x 16 slots over 3072 context tokens the dense mask is ~97% hidden, and flex
     attention skips the hidden 128x128 tiles instead of computing and masking them."""
@@ -254,6 +313,8 @@ def anchored_block_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, bl
         in_ctx = kv_idx < T
         sees_ctx = (kv_idx < anchors[bi, q_block]) & ctx_valid[bi, kv_idx.clamp(max=T - 1)]
         sees_block = (kv_idx - T) // block_size == q_block
+        if causal:
+            sees_block = sees_block & (kv_idx - T <= q_idx)
         return torch.where(in_ctx, sees_ctx, sees_block)
 
     return create_block_mask(visible, B=b, H=None, Q_LEN=A * block_size, KV_LEN=T + A * block_size,

@@ -8,8 +8,8 @@
 Each step: a batch of conversations -> the target's trunk (no grad; or the hidden-state cache)
 gives the tapped hidden states and its own next-token distributions -> random anchors among
 assistant tokens -> the drafter predicts every anchored block [anchor token, MASK x (B-1)] in
-one pass -> loss (CE to the target's tokens and/or KL to its distributions, weighted by block
-slot) -> backward, clip, AdamW, cosine schedule.
+one pass -> loss (the recipe's terms, e.g. CE to the target's tokens, KL or TV to its
+distributions, weighted by block slot; dflash_train/loss.py) -> backward, clip, AdamW, cosine schedule.
 
 Exactness: anchors are drawn per dataset row, the data order is a pure function of (seed,
 epoch), and the loss is normalised by the slot weights of the whole optimizer step across
@@ -21,7 +21,6 @@ Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
 """
 
-import contextlib
 import copy
 import json
 import os
@@ -33,27 +32,30 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.blocks import anchored_blocks, block_slots, confidence_counts, ddtree_acceptance, draw_anchors
+from dflash_train.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts, ddtree_acceptance,
+                                 draw_anchors)
 from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
-                                     save_checkpoint, save_drafter)
+                                     save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import collate, load_conversations
-from dflash_train.dspark import acceptance_rate, confidence_loss
+from dflash_train.dspark import confidence_loss
+from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
+                                  gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
+                                  make_accelerator, shards_itself, whole_model_loading)
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import open_cache
-from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, slot_weights
+from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, exp_weights, loss_divisor
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target
 
+DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
 # Recipe keys that may change between a run and its resumption (they do not affect the math).
-RESUMABLE_CHANGES = {"overwrite", "log_every", "checkpoint_every", "wandb"}
+RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb"}
 
 
 class EpochSampler(Sampler):
@@ -82,68 +84,95 @@ def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: 
 
 @torch.no_grad()
 def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
-    """Held-out loss, per-position accuracy, chain EAL and teacher-forced DDTree tau at the
-    recipe's budgets, with fixed anchors; each process takes every P-th conversation and the
-    counts are summed, so the result does not depend on the process count."""
+    """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
+    EAL and teacher-forced DDTree tau at the recipe's budgets with the on-/off-spine accuracy of
+    the largest tree (path-conditioned for DSpark) and DSpark's confidence calibration, with
+    fixed anchors; each process takes every P-th conversation and the counts are summed, so the
+    result does not depend on the process count."""
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    budgets = cfg.eval.ddtree_budgets
-    # loss, weight, acceptance counts, tree counts + spine counts, confidence calibration (DSpark)
-    sizes = [2, 2 * (B - 1) + 2, len(budgets) + 1 + 4, 3 * (B - 1)]
+    budgets, T, K = cfg.eval.ddtree_budgets, len(cfg.loss.terms), B - 1
+    # loss and term numerators, the divisor, acceptance counts, tree + spine counts, confidence
+    # calibration: all summable
+    sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
     totals = torch.zeros(sum(sizes), dtype=torch.float64)
+    # DSpark's path-conditioned trees are built on CPU: one CPU copy of the Markov head per validation
+    tree_head = None if model.markov_head is None else copy.deepcopy(model.markov_head).to("cpu", torch.float32)
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
-    # DSpark's path-conditioned trees are built on CPU: one CPU copy of the Markov head per validation
-    tree_head = None if model.markov_head is None else copy.deepcopy(model.markov_head).to("cpu", torch.float32)
     for i in range(0, -(-len(val_ds) // accelerator.num_processes), bs):
         chunk = rows[i : i + bs]
         batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
-            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cfg.loss.ce_labels,
-                                tree_inputs=True)
-            loss_sum, m = training_loss(o, cfg, normalizer=1.0)
-        if not chunk:
-            continue
-        w_sum = slot_weights(o.valid, cfg.loss.gamma).sum()
-        # a DSpark drafter's tree is path-conditioned on the backbone's logits; DFlash's uses its marginals
-        tree_logits = o.base_logits if model.markov_head is not None else o.draft_logits
+            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id)
+            loss_sum, m = training_loss(o, target, model, cfg, normalizer=1.0)
+            if not chunk:
+                continue
+            # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
+            # backbone's, path-conditioned), a chunk of blocks at a time
+            flat = [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.draft_hidden, m["labels"], o.valid)]
+            if tree_head is not None:
+                flat += [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.block_hidden, o.bonus)]
+            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(flat[0])
+            tree = torch.zeros(sizes[2], dtype=torch.float64)
+            for j in range(0, len(flat[0]), n):
+                hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
+                tree += ddtree_acceptance(target.lm_head(hidden).float().cpu(), labels.cpu(), valid.cpu(), budgets, n,
+                                          tree_head, *(x.float().cpu() if x.is_floating_point() else x.cpu()
+                                                       for x in path_inputs))
         calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
-            confidence_counts(o.confidence_logits, o.draft_logits, o.target_logits, o.valid).cpu()
-        totals += torch.cat([torch.stack([loss_sum.double().cpu(), w_sum.double().cpu()]),
-                             acceptance_counts(m["correct"], m["valid"]).cpu(),
-                             ddtree_acceptance(tree_logits.float().cpu(), o.labels.cpu(), o.valid.cpu(), budgets,
-                                               cfg.eval.ddtree_max_blocks, tree_head, o.hidden.float().cpu(),
-                                               o.bonus.cpu()),
-                             calibration])
+            confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
+        totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
+                                          loss_divisor(o.valid, cfg.loss).double().cpu()]),
+                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
     head, counts, tree, calibration = totals.split(sizes)
+    divisor = head[1 + T].clamp(min=1e-8)
     blocks = max(tree[len(budgets)].item(), 1.0)
     on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
-    out = {"loss": (head[0] / head[1].clamp(min=1e-8)).item(), **acceptance_metrics(counts),
+    out = {"loss": (head[0] / divisor).item(),
+           "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(cfg.loss.terms)},
+           **acceptance_metrics(counts),
            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
            "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
            "off_spine_nodes": int(off_n)}
     if model.confidence_head is not None:
-        predicted, alpha, n = calibration.view(3, B - 1)
+        predicted, alpha, n = calibration.view(3, K)
         out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(), "alpha": (alpha / n.clamp(min=1)).tolist()}
     return out
 
 
-def training_loss(o, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
-    """The recipe's loss on the anchored blocks; for DSpark plus the confidence head's BCE toward
-    the detached per-slot acceptance rate (same slot weights and normaliser)."""
-    loss, m = dflash_loss(o.draft_logits, o.labels, o.valid, cfg.loss.gamma, cfg.loss.ce_weight, cfg.loss.kl_weight,
-                          o.target_logits, normalizer=normalizer)
+def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
+    """The recipe's loss on the anchored blocks (a DSpark drafter's logits carry its Markov bias),
+    plus, for DSpark's confidence head, loss.confidence_weight x its BCE toward the detached
+    per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
+    the same normaliser."""
+    bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
+    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                          normalizer=normalizer, markov_bias=bias)
     if o.confidence_logits is not None and cfg.loss.confidence_weight:
-        with torch.no_grad():
-            alpha = acceptance_rate(o.draft_logits, o.target_logits)  # [b, A, K]
-        w = slot_weights(o.valid, cfg.loss.gamma)
-        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, alpha, w, normalizer)
+        w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
+        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w, normalizer)
     return loss, m
+
+
+def check_dspark_engine(variant: str, engine: str, accelerator) -> None:
+    """DSpark's heads run after the backbone's forward and the Markov head's W2 inside the loss,
+    outside any sharded unit's forward: FSDP must keep parameters unsharded from forward to
+    backward (recipes/accelerate/fsdp_dspark.yaml) and ZeRO-3, which gathers them per module
+    forward, cannot serve them."""
+    if variant != "dspark":
+        return
+    if engine == "fsdp" and os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true":
+        raise UserError("model.variant=dspark under FSDP needs fsdp_reshard_after_forward: false "
+                        "(launch with --config_file recipes/accelerate/fsdp_dspark.yaml)")
+    if engine == "deepspeed" and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise UserError("model.variant=dspark does not run under DeepSpeed ZeRO-3 (its heads' weights are used "
+                        "outside a module forward): use ZeRO-2 or recipes/accelerate/fsdp_dspark.yaml")
 
 
 def prepare_output_dir(cfg: RunConfig, accelerator) -> Path | None:
@@ -204,22 +233,21 @@ def main(argv=None):
     args = parse_args(argv)
     cfg = load_recipe(args.recipe, args.overrides)
     precision = choose_precision(cfg)
-    # accelerate sets up multi-process gloo on CPU-only hosts (torchrun, `accelerate launch
-    # --multi_gpu`) only when told cpu=True; with one process or CUDA it picks the device itself.
-    cpu_ddp = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=cpu_ddp, mixed_precision=precision, log_with="wandb" if cfg.wandb.enabled else None)
-    if accelerator.distributed_type == DistributedType.DEEPSPEED and cfg.train.grad_accum > 1:
-        raise UserError("train.grad_accum > 1 with DeepSpeed: its engine owns accumulation; set "
-                        "gradient_accumulation_steps in the DeepSpeed config and keep train.grad_accum=1")
+    engine = launched_engine()  # single, ddp, fsdp or deepspeed (engines.py)
+    accelerator = make_accelerator(engine, precision, "wandb" if cfg.wandb.enabled else None)
+    if engine == "deepspeed":
+        configure_deepspeed(accelerator, cfg.train.clip_grad, cfg.train.grad_accum)
     resume = prepare_output_dir(cfg, accelerator)
     out = Path(cfg.output_dir)
     torch.manual_seed(cfg.seed)  # the drafter's initial weights
 
     # --- target, drafter, data -------------------------------------------------------------
-    target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
-                         dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-                         trust_remote_code=cfg.model.trust_remote_code)
+    with whole_model_loading(accelerator, engine):
+        target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
+                             dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                             trust_remote_code=cfg.model.trust_remote_code)
     drafter = init_drafter(target, cfg.model)
+    check_dspark_engine(cfg.model.variant, engine, accelerator)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
         raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
@@ -243,19 +271,33 @@ def main(argv=None):
         raise UserError(f"data.train has {len(train_ds)} usable conversations, fewer than one global batch "
                         f"({cfg.train.batch_size} x {accelerator.num_processes} processes)")
 
-    # --- optimizer and schedule (stepped once per optimizer step, on every process) --------
-    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
-                            weight_decay=cfg.train.weight_decay)
-    sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
+    # --- distribution, optimizer and schedule (stepped once per optimizer step, on every process)
     start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
-    if resume:
+    if resume:  # full weights go in before any sharding; the optimizer state after it
         weights, state = load_checkpoint(resume)
+        if (state["engine"] == "deepspeed") != (engine == "deepspeed"):
+            raise UserError(f"cannot resume from {resume}: it was written under {state['engine']} and this run uses "
+                            f"{engine} (DeepSpeed checkpoints resume under DeepSpeed only)")
         drafter.load_state_dict(weights)
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
         start_step, epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
         tokens, train_time = state["tokens"], state["train_time"]
-    drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
+    self_sharded = shards_itself(engine, accelerator)
+    if self_sharded:
+        fully_shard_drafter(drafter, accelerator)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                            weight_decay=cfg.train.weight_decay)
+    raw_opt = opt  # accelerate wraps it; the state-dict API wants the torch optimizer
+    sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
+    if self_sharded:
+        opt, train_dl = accelerator.prepare(opt, train_dl)
+    else:
+        drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
+    if resume:
+        sched.load_state_dict(state["scheduler"])
+        if engine == "deepspeed":
+            accelerator.load_state(str(resume / DEEPSPEED_STATE))
+        else:
+            load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
     if cfg.wandb.enabled:
         accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
             "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
@@ -265,7 +307,7 @@ def main(argv=None):
         f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
         f"{len(train_ds)} train / {len(val_ds)} val conversations; hidden states "
         f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
-        f"{accelerator.device} x{accelerator.num_processes}" + (f"; resuming from {resume}" if resume else ""))
+        f"{accelerator.device} x{accelerator.num_processes} ({engine})" + (f"; resuming from {resume}" if resume else ""))
 
     # --- loop ---------------------------------------------------------------------------------
     metrics_file = None
@@ -288,27 +330,28 @@ def main(argv=None):
             batch = batch.to(accelerator.device)
             anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
             micro.append((batch, anchors, anchor_valid))
-        w_local = sum(slot_weights(block_slots(b, a, v, B)[1], cfg.loss.gamma).sum() for b, a, v in micro)
+        w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
         w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
         # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
         normalizer = (w_total / accelerator.num_processes).float()
 
-        loss_sum, step_tokens, counts = 0.0, 0, None
+        loss_sum, step_tokens, terms, counts = 0.0, 0, 0.0, None
         for i, (batch, anchors, anchor_valid) in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
-            with sync, accelerator.autocast():
-                o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id,
-                                    cfg.loss.ce_labels, cache)
-                loss, m = training_loss(o, cfg, normalizer)
+            with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
+                o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cache)
+                loss, m = training_loss(o, target, accelerator.unwrap_model(drafter), cfg, normalizer)
                 accelerator.backward(loss)
             loss_sum += loss.item()
-            c = acceptance_counts(m["correct"], m["valid"])
+            terms = terms + m["terms"].double().cpu()
+            c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
             counts = c if counts is None else counts + c
             step_tokens += int(batch.attention_mask.sum())
-        # One small all-reduce so the logged loss, acceptance and tokens cover every process.
-        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu()])
+        # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
+        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms])
         stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
-        loss_sum, tokens, counts = stats[0].item() / accelerator.num_processes, tokens + int(stats[1]), stats[2:]
+        loss_sum, tokens = stats[0].item() / accelerator.num_processes, tokens + int(stats[1])
+        counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
+        terms = {name: round(v, 6) for name, v in zip(cfg.loss.terms, terms.tolist())}
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
         lr = sched.get_last_lr()[0]  # the rate this step uses
         opt.step()
@@ -317,14 +360,18 @@ def main(argv=None):
         train_time += time.time() - t0
 
         live = acceptance_metrics(counts)
-        grad_norm = None if grad_norm is None else round(float(grad_norm), 6)  # DeepSpeed clips inside its engine
-        record = {"step": step, "loss": round(loss_sum, 6), "lr": lr, "grad_norm": grad_norm,
-                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4), "tokens": tokens,
+        grad_norm = grad_norm_of(drafter, engine, grad_norm)
+        grad_norm = None if grad_norm is None else round(grad_norm, 6)
+        record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
+                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
+                  "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": tokens,
                   "train_tokens_per_s": round(tokens / train_time, 1), "elapsed_s": round(time.time() - t_start, 2)}
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
             val = validate(accelerator, drafter, target, val_ds, collate_fn, cfg, layer_ids, mask_id)
             record.update({"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
+                           "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
                            "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
+                           "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
                            "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
                            **{f"val_{k}": None if val[k] is None else round(val[k], 4)
                               for k in ("on_spine_acc", "off_spine_acc")}})
@@ -338,41 +385,69 @@ def main(argv=None):
             bar.set_postfix(loss=f"{loss_sum:.3f}", eal=f"{live['eal']:.2f}", lr=f"{lr:.1e}")
         bar.update(1)
         if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-            weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
-            if accelerator.is_main_process:
-                save_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator.unwrap_model(drafter), target,
-                                dump_recipe(cfg), weights=weights, state={"step": step, "optimizer": opt.state_dict(),
-                                                   "scheduler": sched.state_dict(), "epoch": epoch,
+            save_training_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator, engine, drafter, raw_opt,
+                                     target, cfg, {"step": step, "scheduler": sched.state_dict(), "epoch": epoch,
                                                    "batches_in_epoch": in_epoch, "tokens": tokens,
                                                    "train_time": train_time})
-            accelerator.wait_for_everyone()
     bar.close()
 
     # --- outputs -------------------------------------------------------------------------------
-    weights = accelerator.get_state_dict(drafter)  # a collective under FSDP / ZeRO-3
+    weights = full_model_state(accelerator, drafter, engine)  # a collective under FSDP / ZeRO-3
     if accelerator.is_main_process:
         save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg), weights)
         summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
                    "train_tokens_per_s": round(tokens / max(train_time, 1e-9), 1), "train_tokens": tokens,
-                   "resumed_from_step": start_step, "processes": accelerator.num_processes,
+                   "resumed_from_step": start_step, "processes": accelerator.num_processes, "engine": engine,
                    "device": str(accelerator.device), "precision": "bf16" if precision == "bf16" else "fp32",
                    "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
                    "target": cfg.model.target, "target_layer_ids": layer_ids, "block_size": B,
-                   "hidden_states": "cache" if cache else "online", "eval": val}
+                   "hidden_states": "cache" if cache else "online", "eval": val,
+                   # this process's peak (all processes hold the same shapes under DDP; a shard under FSDP/ZeRO)
+                   "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                   if accelerator.device.type == "cuda" else None}
         (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         metrics_file.close()
         tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
         print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
               f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
-              f"{val['acc_per_position'][0]:.3f}; drafter in {out / 'final'}")
+              f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
     accelerator.end_training()
 
 
+def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,
+                             state: dict) -> None:
+    """checkpoints/step_N/: the full drafter weights (loadable like final/) plus what an exact
+    resume needs. Every process takes part (gathers under FSDP / ZeRO); the main process writes
+    into a temporary folder that is renamed only when complete, so a restart never picks half a
+    checkpoint. DeepSpeed's engine writes its own sharded state into it first."""
+    weights = full_model_state(accelerator, drafter, engine)
+    optimizer = None if engine == "deepspeed" else full_optimizer_state(accelerator, drafter, opt)
+    tmp = folder.with_name(f".{folder.name}.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    if engine == "deepspeed":  # optimizer partitions, per process
+        accelerator.save_state(str(tmp / DEEPSPEED_STATE))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_checkpoint(tmp, accelerator.unwrap_model(drafter), target, dump_recipe(cfg),
+                        state={**state, "optimizer": optimizer, "engine": engine}, weights=weights)
+        os.replace(tmp, folder)
+    accelerator.wait_for_everyone()
+
+
 def flat_for_tracker(record: dict) -> dict:
-    """metrics.jsonl record -> scalar keys for wandb (val/acc_k, val/ddtree_tau@budget)."""
+    """metrics.jsonl record -> scalar keys for wandb (loss/<term>, alpha_k, val/loss/<term>,
+    val/acc_k, val/alpha_k, val/ddtree_tau@budget)."""
     flat = {k: v for k, v in record.items() if v is not None and not isinstance(v, (list, dict))}
-    for k, acc in enumerate(record.get("val_acc_per_position", []), start=1):
-        flat[f"val/acc_{k}"] = acc
+    for key, prefix in [("terms", "loss/"), ("val_terms", "val/loss/")]:
+        for name, v in record.get(key, {}).items():
+            flat[prefix + name] = v
+    for key, name in [("alpha_per_position", "alpha"), ("val_acc_per_position", "val/acc"),
+                      ("val_alpha_per_position", "val/alpha")]:
+        for k, v in enumerate(record.get(key, []), start=1):
+            flat[f"{name}_{k}"] = v
     for budget, tau in record.get("val_ddtree_tau", {}).items():
         flat[f"val/ddtree_tau@{budget}"] = tau
     return flat

@@ -30,11 +30,25 @@ def test_overrides_are_typed_and_nested():
     ("loss.ce_labels=maybe", "'loss.ce_labels'"),
     ("train=3", "'train'"),
     ("noequals", "not of the form key=value"),
+    ("loss.ce_weight=0.5", r"'loss.ce_weight' was replaced by loss.terms \(ce_weight: 1.0, kl_weight: 0.5 -> terms: "),
+    ("loss.kl_weight=0.5", "'loss.kl_weight' was replaced by loss.terms"),
+    ("loss.terms={ce: 0, tv: 0}", "no term with a positive weight"),
+    ("loss.terms={ce: -1}", "'loss.terms.ce'"),
+    ("loss.terms={xent: 1}", "'loss.terms.xent"),
+    ("loss.position_weight=linear", "'loss.position_weight'"),
+    ("loss.dpace_alpha=0", "'loss.dpace_alpha'"),
 ])
 def test_recipe_errors_name_the_key(override, message):
     with pytest.raises(UserError, match=message) as e:
         load_recipe(ROOT / "recipes/tiny.yaml", [override])
     assert "\n" not in str(e.value)
+
+
+def test_loss_terms_from_the_command_line():
+    cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["loss.terms={ce: 0.1, tv: 0.9}", "loss.position_weight=dpace"])
+    assert cfg.loss.terms == {"ce": 0.1, "tv": 0.9} and cfg.loss.position_weight == "dpace"
+    cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["loss.terms.kl=0.5"])  # one more term beside the recipe's
+    assert cfg.loss.terms == {"ce": 1.0, "kl": 0.5}
 
 
 def test_missing_and_malformed_recipe(tmp_path):

@@ -129,3 +129,21 @@ def test_sampling_follows_the_target_distribution():
         # Wilson-Hilferty: chi2 quantile at p = 1e-3 is about dof * (1 - 2/(9dof) + 3.09 * sqrt(2/(9dof)))^3
         limit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
         assert chi2 < limit, (chi2, limit, obs.tolist(), exp.tolist())
+
+
+@pytest.mark.parametrize("method, budget", [("dflash", 0), ("ddtree", 16)])
+def test_causal_block_drafter_is_lossless(tiny_target, drafter, method, budget):
+    """A drafter with causal in-block attention decodes to exactly the target's greedy output."""
+    import dataclasses
+
+    causal = DFlashDrafter(dataclasses.replace(drafter.config, block_attention="causal")).eval()
+    causal.load_state_dict(drafter.state_dict())
+    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
+    rounds = []
+    for q in QUESTIONS[:3]:
+        ids = chat_prompt(tiny_target.tokenizer, q)
+        ar = decode(tiny_target, None, ids, "ar", max_new_tokens=40, stop_ids=stops)
+        r = decode(tiny_target, causal, ids, method, budget, max_new_tokens=40, stop_ids=stops)
+        assert r.tokens == ar.tokens, q
+        rounds += r.accept_lengths
+    assert max(rounds) > 1  # some drafted tokens were accepted

@@ -1,6 +1,7 @@
 """dflash-export: Speculators and native DFlash checkpoints, checked with speculators' own loader
 and converter; model cards; verifier pins; import round trips; refusals."""
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -243,3 +244,53 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, ll
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
     assert not list(tmp_path.glob(".o*.tmp-*"))
     assert [p.name for p in busy.iterdir()] == ["keep"]
+
+
+@pytest.fixture(scope="module")
+def causal_drafter_dir(trained_drafter_dir, tiny_target, tmp_path_factory):
+    """The trained drafter's weights with causal in-block attention (JetSpec-style)."""
+    from dflash_train.checkpoint import save_drafter
+    from dflash_train.model import DFlashDrafter
+
+    drafter, _ = load_drafter(trained_drafter_dir)
+    causal = DFlashDrafter(dataclasses.replace(drafter.config, block_attention="causal"))
+    causal.load_state_dict(drafter.state_dict())
+    out = tmp_path_factory.mktemp("causal") / "final"
+    save_drafter(out, causal, tiny_target)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "dflash"])
+@pytest.mark.parametrize("attention", ["bidirectional", "causal"])
+def test_vllm_derives_the_trained_model(fmt, attention, trained_drafter_dir, causal_drafter_dir, tmp_path):
+    """vLLM 0.33's own code, run on the export: every draft layer gets the in-block attention the
+    drafter was trained with, and the taps, mask token, block size and method are ours."""
+    from vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
+
+    source = causal_drafter_dir if attention == "causal" else trained_drafter_dir
+    main(["--format", fmt, "--checkpoint", str(source), "--output", str(tmp_path / "o")])
+    ours, _ = load_drafter(source)
+    config = vllm_draft_config(tmp_path / "o")
+    layers = ours.config.num_hidden_layers
+    assert config.num_hidden_layers == layers
+    assert [vllm_layer_causal(config, i) for i in range(layers)] == [attention == "causal"] * layers
+    assert config.dflash_config["target_layer_ids"] == ours.config.target_layer_ids
+    assert config.dflash_config["mask_token_id"] == ours.config.mask_token_id
+    assert config.architectures == ["DFlashDraftModel"]
+    if fmt == "speculators":
+        _, spec = speculators_conversion(tmp_path / "o")
+        assert spec == {"method": "dflash", "num_speculative_tokens": ours.config.block_size - 1}
+        assert config.dflash_config["sample_from_anchor"] is False
+    else:
+        assert config.block_size == ours.config.block_size
+    imported, _ = load_drafter(tmp_path / "o")  # and our own import reads the same attention back
+    assert imported.config.block_attention == attention
+
+
+def test_native_config_without_causality_keys_reads_as_bidirectional(exports, tmp_path):
+    """z-lab's published configs carry neither is_causal nor dflash_config.causal: full layers are non-causal."""
+    shutil.copytree(exports / "dflash", tmp_path / "z")
+    cfg = json.loads((tmp_path / "z" / "config.json").read_text())
+    del cfg["is_causal"], cfg["dflash_config"]["causal"]
+    (tmp_path / "z" / "config.json").write_text(json.dumps(cfg))
+    assert load_drafter(tmp_path / "z")[0].config.block_attention == "bidirectional"

@@ -1,5 +1,7 @@
 """The drafter's two forwards and its attention visibility."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,17 +63,57 @@ def test_training_and_cached_forward_agree(setup):
 
 @torch.no_grad()
 def test_cache_crop_drops_rejected_context(setup):
+    """Cropping queued or already cached context gives the block the same logits as a cache
+    that never held the rejected tokens."""
     target, drafter, cfg = setup
     ids = torch.randint(0, 1000, (1, 30))
     taps, _ = target_forward(target, ids, torch.ones_like(ids), cfg.target_layer_ids)
-    cache = ContextCache(cfg.num_hidden_layers)
-    drafter.extend_context(cache, taps[:, :20], torch.arange(20)[None])
-    drafter.extend_context(cache, taps[:, 20:26], torch.arange(20, 26)[None])  # 6 tokens, 4 then rejected
-    cache.crop(22)
+    block = target.embed(torch.full((1, B), cfg.mask_token_id))
+    positions = torch.arange(22, 22 + B)[None]
+
     fresh = ContextCache(cfg.num_hidden_layers)
     drafter.extend_context(fresh, taps[:, :22], torch.arange(22)[None])
-    for k1, k2 in zip(cache.k, fresh.k):
+    expected = drafter.forward_cached(block, positions, fresh)
+
+    queued = ContextCache(cfg.num_hidden_layers)  # rejected tokens still queued
+    drafter.extend_context(queued, taps[:, :20], torch.arange(20)[None])
+    drafter.extend_context(queued, taps[:, 20:26], torch.arange(20, 26)[None])  # 6 tokens, 4 then rejected
+    queued.crop(22)
+    assert len(queued) == 22
+    torch.testing.assert_close(drafter.forward_cached(block, positions, queued), expected)
+
+    cached = ContextCache(cfg.num_hidden_layers)  # rejected tokens already projected into the cache
+    drafter.extend_context(cached, taps[:, :26], torch.arange(26)[None])
+    drafter.forward_cached(block, torch.arange(26, 26 + B)[None], cached)
+    cached.crop(22)
+    assert len(cached) == 22
+    torch.testing.assert_close(drafter.forward_cached(block, positions, cached), expected)
+    for k1, k2 in zip(cached.k, fresh.k):
         torch.testing.assert_close(k1, k2)
+
+
+def test_every_layer_uses_its_weights_inside_its_own_forward(setup):
+    """What per-layer wrappers (FSDP2 fully_shard, activation checkpointing) need: each layer's
+    parameters are only used while that layer's forward runs, in training and in decoding."""
+    target, drafter, cfg = setup
+    inside, outside_uses = set(), []
+    hooks = []
+    for i, layer in enumerate(drafter.layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: inside.add(i)))
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: inside.discard(i)))
+        for name, mod in layer.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                hooks.append(mod.register_forward_pre_hook(
+                    lambda m, a, i=i, name=name: None if i in inside else outside_uses.append((i, name))))
+    try:
+        ids = torch.randint(0, 1000, (1, 24))
+        with torch.no_grad():
+            block_logits_train(target, drafter, cfg, ids, torch.tensor([[3, 12]]))
+            block_logits_cached(target, drafter, cfg, ids, 12, chunks=2)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert outside_uses == []
 
 
 @torch.no_grad()
@@ -155,7 +197,8 @@ def test_block_forward_equals_speculators_layers(setup):
     torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5)
 
 
-def test_flex_block_mask_equals_the_dense_mask():
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_block_mask_equals_the_dense_mask(causal):
     from torch.nn.attention.flex_attention import create_mask
 
     from dflash_train.model import anchored_block_block_mask, anchored_block_mask
@@ -163,8 +206,55 @@ def test_flex_block_mask_equals_the_dense_mask():
     anchors = torch.tensor([[3, 10, 11, 25], [0, 5, 6, 7]])
     ctx_valid = torch.ones(2, 30, dtype=torch.bool)
     ctx_valid[1, 20:] = False  # padding
-    flex = anchored_block_block_mask(anchors, ctx_valid, 4)
-    assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 46, device="cpu"), anchored_block_mask(anchors, ctx_valid, 4))
+    flex = anchored_block_block_mask(anchors, ctx_valid, 4, causal)
+    dense = anchored_block_mask(anchors, ctx_valid, 4, causal)
+    assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 46, device="cpu"), dense)
+    in_block = dense[0, 0, 4:8, 30 + 4 : 30 + 8]  # block 1's slots against block 1's slots
+    assert torch.equal(in_block, torch.tril(torch.ones(4, 4, dtype=torch.bool)) if causal else torch.ones(4, 4, dtype=torch.bool))
+
+
+@pytest.fixture(scope="module")
+def causal_setup(setup):
+    target, drafter, cfg = setup
+    causal_cfg = dataclasses.replace(cfg, block_attention="causal")
+    causal = DFlashDrafter(causal_cfg).eval()
+    causal.load_state_dict(drafter.state_dict())
+    return target, causal, causal_cfg
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("mode", ["bidirectional", "causal"])
+def test_causal_block_slot_sees_only_earlier_slots(setup, causal_setup, mode):
+    """Causal: changing block slot j changes no slot i < j (and changes slot j itself);
+    bidirectional: it changes the earlier slots too. Other blocks never change."""
+    target, drafter, cfg = causal_setup if mode == "causal" else setup
+    ids = torch.randint(0, 1000, (1, 30))
+    anchors = torch.tensor([[4, 15]])
+    taps, _ = target_forward(target, ids, torch.ones_like(ids), cfg.target_layer_ids)
+    block = torch.full((1, 2, B), cfg.mask_token_id)
+    block[:, :, 0] = ids.gather(1, anchors)
+    embeds = target.embed(block.view(1, 2 * B))
+    ones = torch.ones_like(ids, dtype=torch.bool)
+    base = drafter(embeds, taps, anchors, ones).view(2, B, -1)
+    j = 5
+    changed = embeds.clone()
+    changed[0, B + j] += 0.5  # block 1, slot j
+    new = drafter(changed, taps, anchors, ones).view(2, B, -1)
+    torch.testing.assert_close(new[0], base[0])
+    assert not torch.allclose(new[1, j], base[1, j])
+    earlier_same = torch.allclose(new[1, :j], base[1, :j], atol=1e-6)
+    assert earlier_same == (mode == "causal")
+
+
+@torch.no_grad()
+def test_causal_training_and_cached_forward_agree(causal_setup):
+    target, drafter, cfg = causal_setup
+    ids = torch.randint(0, 1000, (1, 40))
+    anchors = torch.tensor([[3, 17, 30]])
+    train = block_logits_train(target, drafter, cfg, ids, anchors)
+    for j, a in enumerate(anchors[0].tolist()):
+        torch.testing.assert_close(train[j], block_logits_cached(target, drafter, cfg, ids, a, chunks=2),
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_flex_training_forward_matches_sdpa(setup):

@@ -21,7 +21,6 @@ Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
 """
 
-import copy
 import json
 import os
 import shutil
@@ -32,6 +31,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
@@ -42,7 +42,7 @@ from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkp
                                      save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import collate, load_conversations
-from dflash_train.dspark import confidence_loss
+from dflash_train.dspark import MarkovHead, confidence_loss
 from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
                                   gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
                                   make_accelerator, shards_itself, whole_model_loading)
@@ -97,8 +97,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     # calibration: all summable
     sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
     totals = torch.zeros(sum(sizes), dtype=torch.float64)
-    # DSpark's path-conditioned trees are built on CPU: one CPU copy of the Markov head per validation
-    tree_head = None if model.markov_head is None else copy.deepcopy(model.markov_head).to("cpu", torch.float32)
+    tree_head = cpu_markov_head(model)  # DSpark's path-conditioned trees are built on CPU
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
@@ -144,6 +143,19 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
         predicted, alpha, n = calibration.view(3, K)
         out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(), "alpha": (alpha / n.clamp(min=1)).tolist()}
     return out
+
+
+def cpu_markov_head(model) -> MarkovHead | None:
+    """A CPU float32 copy of the drafter's Markov head (gathered from its shards under FSDP, so
+    every process calls this), or None."""
+    if model.markov_head is None:
+        return None
+    head = model.markov_head
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
+             for k, v in head.state_dict().items()}
+    copy = MarkovHead(model.config.vocab_size, head.rank, model.config.hidden_size, head.head_type)
+    copy.load_state_dict(state)
+    return copy.eval()
 
 
 def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:

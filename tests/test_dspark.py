@@ -152,6 +152,41 @@ def test_markov_chain_is_teacher_forcing_on_its_own_tokens(tiny_target, head_typ
     assert not torch.allclose(logits, base, atol=1e-3)  # the bias is really applied
 
 
+@pytest.mark.parametrize("terms, weighting", [({"ce": 0.1, "tv": 0.9}, "exp"), ({"ce": 1.0, "kl": 0.5}, "dpace")])
+@pytest.mark.parametrize("chunk_slots", [1, 6])
+def test_markov_bias_through_the_chunked_loss(terms, weighting, chunk_slots):
+    """The Markov bias u . W2 added inside the loss: chunks of blocks give the value and the
+    gradients (for h, u and W2) of whole-batch autograd on lm_head(h) + W2 u, in float64."""
+    from dflash_train.config import LossConfig
+    from dflash_train.loss import dflash_loss
+
+    g = torch.Generator().manual_seed(chunk_slots)
+    b, A, K, H, r, V = 2, 4, 3, 8, 5, 61
+    head = torch.nn.Linear(H, V, bias=False, dtype=torch.float64).requires_grad_(False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g, dtype=torch.float64))
+    h, th = (torch.randn(b, A, K, H, generator=g, dtype=torch.float64) for _ in range(2))
+    u, w2 = torch.randn(b, A, K, r, generator=g, dtype=torch.float64), torch.randn(V, r, generator=g, dtype=torch.float64)
+    tokens, valid = torch.randint(0, V, (b, A, K), generator=g), torch.rand(b, A, K, generator=g) > 0.2
+    norm = torch.tensor(5.0, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (h, u, w2)]
+    cfg0 = LossConfig(terms=terms, position_weight=weighting, chunk_slots=0)
+    # reference: whole logits built by plain autograd (the chunked loss is told nothing)
+    identity = torch.nn.Identity()
+    ref, m_ref = dflash_loss(head(leaves[0]) + leaves[1] @ leaves[2].T, head(th), identity, tokens, valid, cfg0, norm)
+    ref.backward()
+    chunked = [t.clone().requires_grad_() for t in (h, u, w2)]
+    loss, m = dflash_loss(chunked[0], th, head, tokens, valid, LossConfig(terms=terms, position_weight=weighting,
+                          chunk_slots=chunk_slots), norm, markov_bias=(chunked[1], chunked[2]))
+    loss.backward()
+    torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
+    for a, b_ in zip(chunked, leaves):
+        torch.testing.assert_close(a.grad, b_.grad, rtol=1e-10, atol=1e-12)
+        assert a.grad.abs().sum() > 0
+    torch.testing.assert_close(m["alpha"], m_ref["alpha"], rtol=1e-12, atol=1e-12)
+    assert torch.equal(m["correct"], m_ref["correct"])
+
+
 # --- decoding: lossless with the chain and every budget ------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -312,3 +347,18 @@ def test_eval_and_training_import_speculators_dspark(tiny_target, tmp_path, smal
     start, end = load_drafter(tmp_path / "spec")[0], load_drafter(tmp_path / "ft" / "final")[0]
     for k, v in start.state_dict().items():
         torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
+
+
+def test_dspark_refuses_engines_that_cannot_gather_its_heads(monkeypatch):
+    from dflash_train.errors import UserError
+    from dflash_train.train import check_dspark_engine
+
+    monkeypatch.delenv("FSDP_RESHARD_AFTER_FORWARD", raising=False)
+    for value in [None, "true"]:
+        if value:
+            monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
+        with pytest.raises(UserError, match="fsdp_dspark.yaml"):
+            check_dspark_engine("dspark", "fsdp", accelerator=None)
+        check_dspark_engine("dflash", "fsdp", accelerator=None)  # DFlash: any FSDP config
+    monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
+    check_dspark_engine("dspark", "fsdp", accelerator=None)

@@ -12,13 +12,15 @@ from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
 from conftest import TINY_TARGET
+from fetch_vllm import DEST
 from dflash_train.checkpoint import load_drafter, save_drafter
 from dflash_train.export import main
 from test_dspark import random_dspark, speculators_block_logits, our_block_logits
 
-# vLLM 0.33's pure-Python sources (the integrator's fetch script puts them in an ignored folder)
-VLLM_SRC = Path(os.environ.get("DFLASH_VLLM_SRC", "/tmp/vllm_src"))
-VLLM_ALGOS = VLLM_SRC / "vllm" / "transformers_utils" / "configs" / "speculators" / "algos.py"
+# vLLM 0.33's speculators config conversion: tests/fetch_vllm.py's copy (DFLASH_VLLM_SRC), else a
+# partial source tree at /tmp/vllm_src; algos.py imports nothing, so it loads from either
+ALGOS = Path("vllm") / "transformers_utils" / "configs" / "speculators" / "algos.py"
+VLLM_ALGOS = next((d / ALGOS for d in (DEST, Path("/tmp/vllm_src")) if (d / ALGOS).is_file()), DEST / ALGOS)
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,8 @@ def test_export_round_trip_is_exact(exported, trained_dspark):
                      "confidence_head.proj.bias"}
 
 
-@pytest.mark.skipif(not VLLM_ALGOS.is_file(), reason=f"vLLM 0.33 sources not found at {VLLM_SRC} (set DFLASH_VLLM_SRC)")
+@pytest.mark.skipif(not VLLM_ALGOS.is_file(), reason=f"vLLM 0.33 sources not found at {DEST} or /tmp/vllm_src "
+                    "(run python tests/fetch_vllm.py, or set DFLASH_VLLM_SRC)")
 def test_vllm_config_conversion_reads_the_export(exported, trained_dspark):
     """vLLM 0.33's own speculators config conversion (algos.py, loaded standalone: it imports
     nothing) turns the export into the Qwen3DSparkModel config our drafter is."""
@@ -111,6 +114,19 @@ def test_vllm_config_conversion_reads_the_export(exported, trained_dspark):
     assert config["speculators_model_type"] == "dspark"
     assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == ours.block_size - 1
     assert config["speculators_config"]["verifier"]["name_or_path"]
+
+
+def test_vllm_serves_the_export_as_method_dspark(exported, trained_dspark):
+    """vLLM 0.33's whole SpeculatorsConfig path (tests/vllm_reference.py): method dspark with B-1
+    tokens, Qwen3DSparkModel, and every draft layer with the in-block attention it was trained with."""
+    from vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
+
+    ours = load_drafter(trained_dspark / "final")[0].config
+    pre, spec = speculators_conversion(exported)
+    assert spec == {"method": "dspark", "num_speculative_tokens": ours.block_size - 1}
+    assert pre["architectures"] == ["Qwen3DSparkModel"] and pre["markov_rank"] == 16
+    config = vllm_draft_config(exported)
+    assert [vllm_layer_causal(config, i) for i in range(ours.num_hidden_layers)] == [False] * ours.num_hidden_layers
 
 
 def test_card_serves_method_dspark(exported):

@@ -70,7 +70,8 @@ def dspark_fields(m: ModelConfig) -> dict:
     if m.variant != "dspark":
         return {}
     return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
-            "confidence_head": m.confidence_head, "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
+            "confidence_head": m.confidence_head,
+            "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
 
 
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:

@@ -149,7 +149,10 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None) -> DraftTre
         # One device-to-host copy: ids ride along as float64 (exact below 2**53) and only
         # the popped ones are turned back into ints, so Python touches O(budget) entries.
         logp_rows, ids_rows = torch.stack([logp.double(), ids.double()]).tolist()
-        expand, root_token, root_carry = (lambda token, carry, depth: (logp_rows[depth], ids_rows[depth], None)), -1, None
+        def expand(token, carry, depth):  # the marginals: the same children whoever the parent
+            return logp_rows[depth], ids_rows[depth], None
+
+        root_token, root_carry = -1, None
     else:
         expand, root_token, root_carry = scorer.expander(draft_logits, K)
     tokens, depths, parents, log_probs, children, ranks, best_child = best_first(expand, root_token, root_carry, L,

@@ -192,7 +192,8 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
                   "load them).")
     if dspark:
         extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with the "
-                  f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark chain.")
+                  f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark "
+                  "chain.")
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATE), title=f"{'DSpark' if dspark else 'DFlash'} drafter for {verifier}",
         algorithm="DSpark" if dspark else "DFlash", algorithm_text=algorithm_text,

@@ -141,7 +141,8 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
            "off_spine_nodes": int(off_n)}
     if model.confidence_head is not None:
         predicted, alpha, n = calibration.view(3, K)
-        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(), "alpha": (alpha / n.clamp(min=1)).tolist()}
+        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
+                             "alpha": (alpha / n.clamp(min=1)).tolist()}
     return out
 
 

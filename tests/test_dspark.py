@@ -48,7 +48,8 @@ def speculators_block_logits(spec, target, ids, anchors, monkeypatch):
     import speculators.models.dspark.core as dspark_core
 
     A, T = anchors.shape[0], ids.shape[1]
-    monkeypatch.setattr(dflash_core, "select_anchors", lambda loss_mask, n, bs: (anchors, torch.ones(n, dtype=torch.bool)))
+    monkeypatch.setattr(dflash_core, "select_anchors",
+                        lambda loss_mask, n, bs: (anchors, torch.ones(n, dtype=torch.bool)))
     seen = {}
 
     def capture(logits, targets, confidence_logits, *args, **kwargs):
@@ -166,7 +167,8 @@ def test_markov_bias_through_the_chunked_loss(terms, weighting, chunk_slots):
     with torch.no_grad():
         head.weight.copy_(torch.randn(V, H, generator=g, dtype=torch.float64))
     h, th = (torch.randn(b, A, K, H, generator=g, dtype=torch.float64) for _ in range(2))
-    u, w2 = torch.randn(b, A, K, r, generator=g, dtype=torch.float64), torch.randn(V, r, generator=g, dtype=torch.float64)
+    u = torch.randn(b, A, K, r, generator=g, dtype=torch.float64)
+    w2 = torch.randn(V, r, generator=g, dtype=torch.float64)
     tokens, valid = torch.randint(0, V, (b, A, K), generator=g), torch.rand(b, A, K, generator=g) > 0.2
     norm = torch.tensor(5.0, dtype=torch.float64)
     leaves = [t.clone().requires_grad_() for t in (h, u, w2)]

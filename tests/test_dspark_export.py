@@ -68,7 +68,8 @@ def test_export_loads_in_speculators_with_our_logits(exported, trained_dspark, t
     ours, _ = load_drafter(trained_dspark / "final")
     ours.eval()
     c = spec.config
-    assert (c.markov_rank, c.markov_head_type, c.enable_confidence_head, c.sample_from_anchor) == (16, "vanilla", True, False)
+    assert (c.markov_rank, c.markov_head_type, c.enable_confidence_head, c.sample_from_anchor) == (
+        16, "vanilla", True, False)
     assert c.speculators_config.algorithm == "dspark"
     assert c.speculators_config.proposal_methods[0].speculative_tokens == ours.config.block_size - 1
     ids = torch.randint(0, 1000, (1, 28))

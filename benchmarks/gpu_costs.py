@@ -15,7 +15,9 @@ synchronised before and after every run (wall clock, so host work such as the tr
   verify   `decode.verify` on [root + n tree nodes], width = n + 1, after a prefix of --context
            tokens in a DynamicCache; the tree is `build_tree` on real drafter logits (root only at
            width 1); the cache is cropped back to the prefix after each run
-  draft    one `decode.draft_block` (drafter pass on [bonus, MASK x (B-1)] + LM head on B-1 rows)
+  draft    one `decode.draft_block` (drafter pass on [bonus, MASK x (B-1)] + LM head on B-1 rows);
+           and `costs.draft_batch`, the same pass for --draft-batches requests at once (dflash-eval's
+           --concurrency prediction reads `draft_ms_by_batch`)
   tree     `build_tree` on the drafter's [B-1, V] logits, per budget
   step     one round of `decode.decode` (draft + tree + verify + commit, exactly what decoding runs):
            per call, the stage times decode() itself records, over STEP_ROUNDS rounds after a prefill
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
+from dflash_train.costs import draft_batch
 from dflash_train.ddtree import build_tree, root_only_tree
 from dflash_train.decode import STAGES, decode, draft_block, verify
 from dflash_train.model import ContextCache, DFlashDrafter, DrafterConfig
@@ -67,6 +70,7 @@ TINY_DFLASH = dict(num_hidden_layers=1, block_size=8, target_layer_ids=[1], mask
 
 WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]  # verify width = 1 + budget
 BUDGETS = [16, 32, 64, 128, 256, 512, 1024]              # DDTree's benchmark budgets
+DRAFT_BATCHES = [1, 4, 16, 64]                          # requests drafted together
 WARMUP = 3       # untimed runs before each measurement (kernel selection, allocator)
 STEP_ROUNDS = 8  # decode rounds per timed decode() call
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -160,6 +164,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=512, help="tokens already in the target's cache")
     p.add_argument("--widths", type=int_list, default=WIDTHS, help="verify widths (root + nodes), comma-separated")
     p.add_argument("--budgets", type=int_list, default=BUDGETS, help="DDTree budgets (non-root nodes), comma-separated")
+    p.add_argument("--draft-batches", type=int_list, default=DRAFT_BATCHES, help="requests per drafter pass")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per measurement (median)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "gpu_costs.json")
     p.add_argument("--tiny", action="store_true", help="tiny model shape, for a CPU smoke test")
@@ -167,6 +172,8 @@ def main(argv=None):
     t_start = time.perf_counter()
     if min(args.widths) < 1 or min(args.budgets) < 1:
         p.error("--widths must be >= 1 and --budgets >= 1")
+    if min(args.draft_batches) < 1:
+        p.error("--draft-batches must be >= 1")
     if args.repeats < 1 or args.context < 1:
         p.error("--repeats and --context must be >= 1")
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
@@ -205,7 +212,8 @@ def main(argv=None):
             raise SystemExit("target logits are not finite: the random init is unusable in this dtype")
         bonus, start = int(out.logits[0, -1].argmax()), args.context
         ctx = ContextCache(drafter.config.num_hidden_layers)
-        drafter.extend_context(ctx, taps_from_hidden_states(out.hidden_states, layer_ids),
+        taps = taps_from_hidden_states(out.hidden_states, layer_ids)  # [1, context, n*H]
+        drafter.extend_context(ctx, taps,
                                torch.arange(start, device=device)[None])
         draft_logits = draft_block(drafter, target, ctx, bonus, start)  # [L, V]
         if not torch.isfinite(draft_logits).all():
@@ -226,6 +234,16 @@ def main(argv=None):
 
         draft_ms = median_ms(lambda: draft_block(drafter, target, ctx, bonus, start), args.repeats, device)
         print(f"\ndraft: one decode.draft_block, block {L + 1}, {len(ctx)} context tokens: {draft_ms:.3f} ms")
+        draft_by_batch = {}
+        for c in args.draft_batches:  # c requests with equal contexts, one drafter pass
+            ctx_c = ContextCache(drafter.config.num_hidden_layers)
+            drafter.extend_context(ctx_c, taps.expand(c, -1, -1), torch.arange(start, device=device).expand(c, -1))
+            bonus_c = torch.full((c,), bonus, device=device)
+            draft_by_batch[str(c)] = median_ms(lambda: draft_batch(drafter, target, ctx_c, bonus_c, start),
+                                               args.repeats, device)
+            del ctx_c
+        print("draft by batch (ms): " + ", ".join(f"{c}: {ms:.3f}" for c, ms in draft_by_batch.items()))
+        del taps
 
         print(f"\ntree: build_tree on the drafter's [{L}, {draft_logits.shape[1]}] logits (ms)")
         print(f"{'budget':>6} {'ms':>9}")
@@ -251,7 +269,8 @@ def main(argv=None):
 
     if device.type == "cuda":
         print(f"\npeak CUDA memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
-    result = {**info, "verify_ms_by_width": verify_ms, "draft_ms": draft_ms, "tree_build_ms_by_budget": tree_ms,
+    result = {**info, "verify_ms_by_width": verify_ms, "draft_ms": draft_ms, "draft_ms_by_batch": draft_by_batch,
+              "tree_build_ms_by_budget": tree_ms,
               "chain_step_ms": chain_ms, "ddtree_step_ms_by_budget": ddtree_ms,
               "chain_stage_ms": chain_stages, "ddtree_stage_ms_by_budget": ddtree_stages,
               "step_timing": f"decode.decode stage clock, {STEP_ROUNDS} rounds per call, prefill excluded"}

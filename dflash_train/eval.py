@@ -1,15 +1,21 @@
-"""`dflash-eval`: acceptance of a drafter under AR, the DFlash chain and DDTree at a sweep of budgets.
+"""`dflash-eval`: acceptance and speed of a drafter under AR, the DFlash chain and DDTree at a sweep of budgets.
 
-    dflash-eval --drafter runs/demo/final --budgets 0,4,16,64,256 --output runs/demo/eval
-    dflash-eval --drafter D --target T --suite gsm8k --suite mt-bench --temperature 1.0 --output R
+    dflash-eval --drafter runs/demo/final --budgets 4,16,64,256 --output runs/demo/eval
+    dflash-eval --drafter D --target T --suite gsm8k --suite mt-bench --temperature 1.0 --repeats 3 --output R
 
-For each suite and method: tau (tokens per target forward, bonus included, macro-averaged over
-prompts as the DDTree paper does), the acceptance-length histogram, tokens/s and time per
-stage (prefill excluded), and at temperature 0 `lossless`: every chain and DDTree output equals
-the AR greedy output token for token. Writes report.json, report.md and PNG plots to --output.
+Every prompt is decoded by every method back to back, in an order rotated from prompt to
+prompt (`sweep_order`), so a change in machine load lands on all of them. For each suite and
+method: tau (tokens per target forward, bonus included, macro-averaged over prompts as the
+DDTree paper does), the acceptance-length histogram, the speedup over AR (the median of
+per-prompt time ratios, with a bootstrap interval: dflash_train/speed.py), medians of tokens/s
+and of the time per stage (prefill excluded), the speedup predicted at each --concurrency from a
+cost curve measured here (dflash_train/costs.py), and at temperature 0 `lossless`: every chain
+and DDTree output equals the AR greedy output token for token. Writes report.json, report.md
+and PNG plots to --output.
 """
 
 import json
+import math
 import platform
 import shutil
 import subprocess
@@ -18,103 +24,231 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 from tqdm.auto import tqdm
 
-from dflash_train.checkpoint import check_matches_target, load_drafter, require_free_output, write_atomically
+from dflash_train import speed
+from dflash_train.checkpoint import (check_matches_target, drafter_fingerprint, load_drafter, require_free_output,
+                                     write_atomically)
+from dflash_train.costs import measure_costs
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, TREE_SCORES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.progress import BAR_INTERVAL
-from dflash_train.report import advise_budget, write_report
+from dflash_train.report import write_report
 from dflash_train.suites import DEFAULT_SUITE, Prompt, load_suite
 from dflash_train.target import load_target
 
 
 @dataclass
-class Run:
-    """One suite x method x budget over all prompts."""
-    suite: str
+class Sample:
+    """One prompt (all its turns) decoded by one method in one repeat of the sweep."""
+    suite: int  # index into the suites
+    prompt: int
+    repeat: int
     method: str
     budget: int
-    taus: list[float] = field(default_factory=list)  # per prompt
-    tpots: list[float] = field(default_factory=list)  # per prompt: decode seconds per generated token
-    hist: Counter = field(default_factory=Counter)  # accept length -> rounds
-    outputs: list[list[list[int]]] = field(default_factory=list)  # per prompt, per turn: tokens
-    stage_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    accept_lengths: list[int] = field(default_factory=list)  # per round, all turns
+    outputs: list[list[int]] = field(default_factory=list)  # per turn: generated tokens
+    stage_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))  # prefill excluded
     prefill_s: float = 0.0
-    decoded_tokens: int = 0  # tokens produced by decode rounds (the prefill's first token excluded)
+    decoded: int = 0  # tokens produced by decode rounds (each turn's first token comes from its prefill)
+    context_tokens: int = 0  # sum over decoded tokens of the context they were verified after
     spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode.DecodeResult.spine, summed
     confidence: list[list[float]] | None = None  # decode.DecodeResult.confidence, summed (DSpark chain)
 
+    @property
+    def decode_s(self) -> float:
+        return sum(self.stage_s.values())
 
-def run_prompts(target, drafter, prompts: list[Prompt], suite: str, method: str, budget: int, args, stops, bar) -> Run:
-    run = Run(suite, method, budget)
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else float("nan")
+
+    @property
+    def tpot(self) -> float:
+        """Decode seconds per decoded token (NaN when nothing was decoded)."""
+        return self.decode_s / self.decoded if self.decoded else float("nan")
+
+
+def sweep_order(prompt_counts: list[int], methods: list[tuple[str, int]], repeats: int) -> list[tuple]:
+    """The run order: (repeat, suite, prompt, method) for every prompt of every suite in every
+    repeat. Each prompt is decoded by all methods back to back, so a change in machine load
+    lands on every method alike (and is cancelled by the per-prompt ratios); the methods' order
+    rotates by one from prompt to prompt, so none always runs first or right after another."""
+    order, k = [], 0
+    for r in range(repeats):
+        for s, n in enumerate(prompt_counts):
+            for i in range(n):
+                shift = k % len(methods)
+                order += [(r, s, i, m) for m in methods[shift:] + methods[:shift]]
+                k += 1
+    return order
+
+
+def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, seed: int,
+                  max_new_tokens: int) -> Sample:
+    """All turns of one prompt with sample's method, recorded into `sample` (multi-turn: the
+    target's own replies become the history)."""
     tok = target.tokenizer
-    for i, prompt in enumerate(prompts):
-        gen = torch.Generator().manual_seed(args.seed * 100_003 + i)
-        messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
-        lengths, outputs, decode_s, decoded = [], [], 0.0, 0
-        for turn in prompt.turns:  # multi-turn: the target's own replies become the history
-            messages.append({"role": "user", "content": turn})
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                          return_dict=True)["input_ids"]
-            r = decode(target, drafter, ids, method, budget, args.temperature, args.max_new_tokens, stops, gen,
-                       args.tree_scores)
-            run.spine = [a + b for a, b in zip(run.spine, r.spine)]
-            if r.confidence is not None:
-                run.confidence = r.confidence if run.confidence is None else [
-                    [a + b for a, b in zip(x, y)] for x, y in zip(run.confidence, r.confidence)]
-            messages.append({"role": "assistant", "content": tok.decode(r.tokens, skip_special_tokens=True)})
-            lengths += r.accept_lengths
-            outputs.append(r.tokens)
-            decode_s, decoded = decode_s + r.decode_s, decoded + len(r.tokens) - 1
-            run.prefill_s += r.prefill_s
-            for s in STAGES:
-                run.stage_s[s] += r.stage_s[s]
-        run.taus.append(sum(lengths) / max(len(lengths), 1))
-        run.tpots.append(decode_s / max(decoded, 1))
-        run.hist.update(lengths)
-        run.outputs.append(outputs)
-        run.decoded_tokens += decoded
+    gen = torch.Generator().manual_seed(seed)  # the same for every method and repeat of this prompt
+    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens, stops, gen,
+                   args.tree_scores)
+        sample.spine = [a + b for a, b in zip(sample.spine, r.spine)]
+        if r.confidence is not None:
+            sample.confidence = r.confidence if sample.confidence is None else [
+                [a + b for a, b in zip(x, y)] for x, y in zip(sample.confidence, r.confidence)]
+        messages.append({"role": "assistant", "content": tok.decode(r.tokens, skip_special_tokens=True)})
+        sample.accept_lengths += r.accept_lengths
+        sample.outputs.append(r.tokens)
+        n = len(r.tokens) - 1
+        sample.decoded += n
+        sample.context_tokens += n * ids.shape[1] + n * (n + 1) // 2
+        sample.prefill_s += r.prefill_s
+        for s in STAGES:
+            sample.stage_s[s] += r.stage_s[s]
+    return sample
+
+
+def run_sweep(target, drafter, suites: list[list[Prompt]], order: list[tuple], args, stops, bar) -> list[Sample]:
+    samples = []
+    for r, s, i, (method, budget) in order:
+        bar.set_postfix(repeat=r, method=f"{method}@{budget}" if method == "ddtree" else method)
+        samples.append(decode_prompt(target, drafter, suites[s][i], Sample(s, i, r, method, budget), args, stops,
+                                     args.seed * 100_003 + i, args.max_new_tokens))
         bar.update(1)
-    return run
+    return samples
 
 
-def summarize(run: Run, ar: Run, args, block_size: int) -> dict:
-    rounds = sum(run.hist.values())
-    decode_s = sum(run.stage_s.values())
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+def warm_up(target, drafter, prompt: Prompt, methods, args, stops) -> None:
+    """Decode one prompt once per method, untimed: the first calls pay one-off costs
+    (allocator growth, kernel selection) that would otherwise land on whichever method runs first."""
+    for method, budget in methods:
+        decode_prompt(target, drafter, prompt, Sample(0, 0, 0, method, budget), args, stops, 0,
+                      min(args.max_new_tokens, 32))
+
+
+def grid(samples: list[Sample], n_prompts: int, repeats: int, value) -> np.ndarray:
+    """[n_prompts, repeats] of value(sample) for one suite and method."""
+    out = np.full((n_prompts, repeats), np.nan)
+    for x in samples:
+        out[x.prompt, x.repeat] = value(x)
+    return out
+
+
+def ms_per_round(samples: list[Sample], n: int, R: int, seconds) -> np.ndarray:
+    """[n, R]: 1000 x seconds(sample) / its rounds (NaN for a sample without rounds)."""
+    return grid(samples, n, R, lambda x: 1e3 * seconds(x) / len(x.accept_lengths) if x.accept_lengths else np.nan)
+
+
+def summarize(samples: list[Sample], ar: list[Sample], suite: str, n: int, args, block_size: int,
+              draws: tuple) -> tuple[dict, np.ndarray]:
+    """One report row (suite x method) and its resampled speedup over AR."""
+    x0 = samples[0]
+    rounds = sum(len(x.accept_lengths) for x in samples)
+    hist = Counter(a for x in samples for a in x.accept_lengths)
     lossless = None
     if args.temperature == 0:
-        lossless = run.outputs == ar.outputs
-    return {
-        "suite": run.suite, "method": run.method, "budget": run.budget,
-        "verify_width": run.budget + 1, "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
-        "prompts": len(run.taus), "rounds": rounds, "tau": round(mean(run.taus), 4),
-        "tokens_per_s": round(run.decoded_tokens / decode_s, 2) if decode_s else None,
-        "speedup": round(mean(ar.tpots) / mean(run.tpots), 3) if run.tpots and mean(run.tpots) else None,
+        ar_out = {(x.prompt, x.repeat): x.outputs for x in ar}
+        lossless = all(x.outputs == ar_out[(x.prompt, x.repeat)] for x in samples)
+    speedup = speed.paired_speedup(grid(ar, n, args.repeats, lambda x: x.tpot),
+                                   grid(samples, n, args.repeats, lambda x: x.tpot), draws)
+    per_round = {s: ms_per_round(samples, n, args.repeats, lambda x, s=s: x.stage_s[s]) for s in STAGES}
+    median = lambda a: round(float(np.nanmedian(a)), 4) if not np.isnan(a).all() else None  # noqa: E731
+    tps = grid(samples, n, args.repeats, lambda x: x.decoded / x.decode_s if x.decode_s else float("nan"))
+    turns = sum(len(x.outputs) for x in samples)
+    row = {
+        "suite": suite, "method": x0.method, "budget": x0.budget, "verify_width": x0.budget + 1,
+        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "prompts": n,
+        "repeats": args.repeats, "rounds": rounds,
+        "tau": round(float(np.nanmean(grid(samples, n, args.repeats, lambda x: x.tau))), 4),
+        "speedup": None if np.isnan(speedup[0]) else round(float(speedup[0]), 3),
+        "speedup_interval": speed.interval(speedup),
+        "tokens_per_s": None if np.isnan(tps).all() else round(float(np.nanmedian(tps)), 1),
         "lossless": lossless,
-        "accept_hist": {str(k): run.hist.get(k, 0) for k in range(1, block_size + 1)},
-        "stage_ms_per_round": {s: round(1000 * run.stage_s[s] / max(rounds, 1), 4) for s in STAGES},
-        "prefill_ms_per_turn": round(1000 * run.prefill_s / max(sum(len(o) for o in run.outputs), 1), 3),
-        **spine_summary(run),
+        "accept_hist": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
+        "stage_ms_per_round": {s: median(per_round[s]) for s in STAGES},
+        "prefill_ms_per_turn": round(1000 * sum(x.prefill_s for x in samples) / max(turns, 1), 3),
+        **spine_summary(samples),
     }
+    return row, speedup
 
 
-def spine_summary(run: Run) -> dict:
-    """Off-spine accuracy beside on-spine (ddtree.spine_counts), and for a DSpark chain the
-    confidence head's predicted vs measured acceptance per slot (rounds that reached the slot)."""
-    on_hit, on_n, off_hit, off_n = run.spine
+def spine_summary(samples: list[Sample]) -> dict:
+    """Off-spine accuracy beside on-spine (ddtree.spine_counts, summed over the samples), and for a
+    DSpark chain the confidence head's predicted vs measured acceptance per slot (over the rounds
+    that reached the slot)."""
+    on_hit, on_n, off_hit, off_n = (sum(c) for c in zip(*(x.spine for x in samples)))
     out = {"on_spine_acc": round(on_hit / on_n, 4) if on_n else None, "on_spine_nodes": on_n,
            "off_spine_acc": round(off_hit / off_n, 4) if off_n else None, "off_spine_nodes": off_n}
-    if run.confidence is not None:
-        predicted, reached, accepted = run.confidence
+    conf = [x.confidence for x in samples if x.confidence is not None]
+    if conf:
+        predicted, reached, accepted = ([sum(v) for v in zip(*rows)] for rows in zip(*conf))
         out["confidence"] = {"predicted": [round(p / n, 4) if n else None for p, n in zip(predicted, reached)],
                              "measured": [round(a / n, 4) if n else None for a, n in zip(accepted, reached)],
                              "reached": [int(n) for n in reached]}
     return out
+
+
+def predictions(by_method: dict, methods, n: int, args, draws: tuple, curves: speed.Curves,
+                stages) -> tuple[dict, dict]:
+    """Predicted speedup per method and concurrency -> ({method: {c: entry}}, {c: verdict}).
+    stages(method, samples) -> {"draft", "host", "verify"}: [n, R] ms per round of one request."""
+    R = args.repeats
+    ar_stages = stages(("ar", 0), by_method[("ar", 0)])
+    rows, verdicts = {m: {} for m in methods}, {}
+    for c in args.concurrency:
+        values = {}
+        for m in methods:
+            # tokens per round as the measured times count them (the first token of a turn comes from
+            # its prefill; a round cut short by a stop token counts what it emitted), so that at one
+            # request the prediction is exactly the measured per-prompt ratio
+            tau = grid(by_method[m], n, R, lambda x: x.decoded / len(x.accept_lengths) if x.accept_lengths else np.nan)
+            values[m] = speed.predicted_speedup(tau, stages(m, by_method[m]), ar_stages, m[0], m[1], c, curves, draws)
+            width = c * (m[1] + 1)
+            rows[m][str(c)] = {"speedup": None if np.isnan(values[m][0]) else round(float(values[m][0]), 3),
+                               "interval": speed.interval(values[m]), "verify_width": width,
+                               "extrapolated": width > max(curves.widths)}
+        verdicts[str(c)] = speed.verdict(values)
+    return rows, verdicts
+
+
+def measured_stages(n: int, R: int):
+    """Per-sample stage times from this eval's own decoding (ms per round); host = tree + commit."""
+    return lambda m, xs: {"draft": ms_per_round(xs, n, R, lambda x: x.stage_s["draft"]),
+                          "host": ms_per_round(xs, n, R, lambda x: x.stage_s["tree"] + x.stage_s["commit"]),
+                          "verify": ms_per_round(xs, n, R, lambda x: x.stage_s["verify"])}
+
+
+def device_costs_model(device_costs: dict, n: int, R: int) -> tuple[speed.Curves, object]:
+    """Curves and stage times on the device of a benchmarks/gpu_costs.py JSON: its verify curve,
+    its draft time (drafting grows in proportion to the requests unless the file has
+    draft_ms_by_batch), its tree build by budget; commit is not in it."""
+    vt = sorted((int(w), float(ms)) for w, ms in device_costs["verify_ms_by_width"].items())
+    dt = sorted((int(c), float(ms)) for c, ms in device_costs.get("draft_ms_by_batch", {}).items()) or [
+        (1, float(device_costs["draft_ms"]))]
+    tree = sorted((int(b), float(ms)) for b, ms in device_costs.get("tree_build_ms_by_budget", {}).items())
+    curves = speed.Curves([w for w, _ in vt], np.array([[ms for _, ms in vt]]),
+                          [c for c, _ in dt], np.array([[ms for _, ms in dt]]))
+    draft = float(speed.at_width(curves.batches, curves.draft_ms, 1)[0])
+
+    def stages(m, xs):
+        method, budget = m
+        host = 0.0
+        if method == "ddtree" and tree:
+            host = float(speed.at_width([b for b, _ in tree], np.array([ms for _, ms in tree]), budget))
+        full = lambda v: np.full((n, R), v)  # noqa: E731
+        return {"draft": full(draft), "host": full(host),
+                "verify": full(float(speed.at_width(curves.widths, curves.verify_ms, budget + 1)[0]))}
+
+    return curves, stages
 
 
 def hardware_record(device: torch.device) -> dict:
@@ -148,13 +282,61 @@ def _nvidia_driver() -> str | None:
 
 
 def parse_budgets(text: str) -> list[int]:
+    """DDTree budgets; 0 means plain decoding, which always runs (as AR) and is not a tree."""
     try:
         budgets = sorted({int(b) for b in text.split(",") if b.strip()})
     except ValueError:
         raise UserError(f"--budgets must be comma-separated integers, got '{text}'") from None
     if not budgets or budgets[0] < 0:
         raise UserError(f"--budgets must be non-negative integers, got '{text}'")
-    return budgets
+    return [b for b in budgets if b > 0]
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        raise UserError(f"--concurrency must be comma-separated integers, got '{text}'") from None
+    if not levels or levels[0] < 1:
+        raise UserError(f"--concurrency must be integers >= 1, got '{text}'")
+    return levels
+
+
+def resolve_device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device '{text}' is not a device (auto, cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device '{text}' is not supported (auto, cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise UserError(f"--device {text}: this torch build ({torch.__version__}) has no CUDA support")
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text}: torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+def read_device_costs(path: str | None) -> dict | None:
+    """A benchmarks/gpu_costs.py JSON: verify ms by width (and draft ms) on another device."""
+    if path is None:
+        return None
+    try:
+        costs = json.loads(Path(path).read_text())
+        widths = {int(w): float(ms) for w, ms in costs["verify_ms_by_width"].items()}
+        float(costs["draft_ms"])
+        {int(b): float(ms) for b, ms in costs.get("tree_build_ms_by_budget", {}).items()}
+        {int(c): float(ms) for c, ms in costs.get("draft_ms_by_batch", {}).items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"--verify-times '{path}' is not a costs JSON from benchmarks/gpu_costs.py "
+                        f"(verify_ms_by_width, draft_ms): {type(e).__name__}") from e
+    if not widths or min(widths) < 1:
+        raise UserError(f"--verify-times '{path}' has no verify widths >= 1")
+    return costs
 
 
 def parse_args(argv):
@@ -164,44 +346,48 @@ def parse_args(argv):
     p.add_argument("--target-revision", default=None)
     p.add_argument("--suite", action="append", default=None,
                    help=f"suite name, NAME=local_file or a messages .jsonl (repeatable; default {DEFAULT_SUITE})")
-    p.add_argument("--budgets", default="0,4,16,64,256", help="DDTree budgets (non-root nodes)")
+    p.add_argument("--budgets", default="4,16,64,256", help="DDTree budgets (non-root nodes); 0 = plain decoding")
     p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
                    help="a DSpark drafter's DDTree: path-conditioned (default) or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
+    p.add_argument("--repeats", type=int, default=1, help="times the whole interleaved sweep runs (timing samples)")
+    p.add_argument("--concurrency", default="1,4,16",
+                   help="requests sharing one verify forward, for the predicted speedups")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--verify-times", default=None,
-                   help="costs JSON from benchmarks/gpu_costs.py: also predict the best budget on that device")
+                   help="costs JSON from benchmarks/gpu_costs.py: also predict speedups on that device")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--output", required=True, help="report folder")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     args = p.parse_args(argv)
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
-    if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.max_new_tokens < 2:
+        p.error("--max-new-tokens must be >= 2 (the first token comes from the prefill; rounds decode the rest)")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    args.budgets = parse_budgets(args.budgets)
+    args.concurrency = parse_concurrency(args.concurrency)
+    args.device = resolve_device(args.device)
     return args
 
 
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
-    budgets = parse_budgets(args.budgets)
     out = Path(args.output)
     require_free_output(out, args.overwrite)
-    device_costs = None
-    if args.verify_times:
-        try:
-            device_costs = json.loads(Path(args.verify_times).read_text())
-            device_costs["verify_ms_by_width"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise UserError(f"--verify-times '{args.verify_times}' is not a costs JSON with verify_ms_by_width") from e
+    device_costs = read_device_costs(args.verify_times)
+    suites = [load_suite(s, args.limit) for s in (args.suite or [DEFAULT_SUITE])]  # before the target: cheap
 
     drafter, meta = load_drafter(args.drafter)
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    fingerprint = drafter_fingerprint(drafter)  # of the drafter as stored, before any cast or move
+    device = args.device
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     target_id = args.target or meta["target"]["name_or_path"]
     target = load_target(target_id, revision=args.target_revision or (None if args.target else meta["target"]["revision"]),
@@ -209,36 +395,78 @@ def main(argv=None):
     check_matches_target(drafter.config, target)
     drafter.to(device=device, dtype=dtype).eval()
     stops = stop_token_ids(target.model, target.tokenizer)
-    suites = [load_suite(s, args.limit) for s in (args.suite or [DEFAULT_SUITE])]
     B = drafter.config.block_size
 
-    plan = [("ar", 0), ("dflash", B - 1)] + [("ddtree", b) for b in budgets]
-    bar = tqdm(total=len(plan) * sum(len(p) for _, p in suites), desc="eval", dynamic_ncols=True,
-               mininterval=BAR_INTERVAL)
-    results = []
-    for name, prompts in suites:
-        ar = None
-        for method, budget in plan:
-            bar.set_postfix(suite=name, method=f"{method}@{budget}" if method == "ddtree" else method)
-            run = run_prompts(target, drafter, prompts, name, method, budget, args, stops, bar)
-            ar = ar or run
-            results.append(summarize(run, ar, args, B))
+    methods = [("ar", 0), ("dflash", B - 1)] + [("ddtree", b) for b in args.budgets]
+    order = sweep_order([len(p) for _, p in suites], methods, args.repeats)
+    warm_up(target, drafter, suites[0][1][0], methods, args, stops)
+    bar = tqdm(total=len(order), desc="eval", dynamic_ncols=True, mininterval=BAR_INTERVAL)
+    samples = run_sweep(target, drafter, [p for _, p in suites], order, args, stops, bar)
     bar.close()
 
-    report = {
-        "drafter": str(args.drafter), "target": target_id, "target_revision": target.revision,
-        "block_size": B, "target_layer_ids": drafter.config.target_layer_ids,
-        "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
-        "markov_head_type": drafter.config.markov_head_type, "tree_scores": args.tree_scores,
-        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "budgets": budgets,
-        "hardware": hardware_record(device), "results": results,
-        "advice": advise_budget(results, device_costs),
-        "command": "dflash-eval " + " ".join(sys.argv[1:] if argv is None else argv),
-    }
+    # The cost curve at the mean context the AR verify forwards saw.
+    ar = [x for x in samples if x.method == "ar"]
+    context = max(1, round(sum(x.context_tokens for x in ar) / max(sum(x.decoded for x in ar), 1)))
+    costs = measure_costs(target, drafter, context, args.concurrency)
+    report = build_report(args, argv, suites, methods, samples, costs, device_costs, B)
+    report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
+                   "target_revision": target.revision, "block_size": B,
+                   "target_layer_ids": drafter.config.target_layer_ids, "hardware": hardware_record(device),
+                   "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
+                   "markov_head_type": drafter.config.markov_head_type, "tree_scores": args.tree_scores})
     if out.exists() and args.overwrite:
         shutil.rmtree(out)
     write_atomically(out, lambda tmp: write_report(tmp, report))
     print((out / "report.md").read_text())
+
+
+def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict, device_costs: dict | None,
+                 block_size: int) -> dict:
+    """Rows per suite and method (acceptance, paired speedup, medians), the verdicts, the predictions."""
+    results, advice = [], {}
+    curves = speed.Curves.from_rounds(costs)  # resampled over the cost rounds
+    for s, (name, prompts) in enumerate(suites):
+        n = len(prompts)
+        draws = speed.resample(n, args.repeats)
+        by_method = {m: [x for x in samples if x.suite == s and (x.method, x.budget) == m] for m in methods}
+        if not any(x.accept_lengths for x in by_method[("ar", 0)]):
+            raise UserError(f"suite '{name}': every reply ended at its first token, so no decoding round was timed")
+        rows, measured = {}, {}
+        for m in methods:
+            rows[m], measured[m] = summarize(by_method[m], by_method[("ar", 0)], name, n, args, block_size, draws)
+        predicted, by_concurrency = predictions(by_method, methods, n, args, draws, curves,
+                                                measured_stages(n, args.repeats))
+        for m in methods:
+            rows[m]["predicted"] = predicted[m]
+        advice[name] = {"measured": speed.verdict(measured), "concurrency": by_concurrency}
+        if device_costs:
+            dev_rows, dev_verdicts = predictions(by_method, methods, n, args, draws,
+                                                 *device_costs_model(device_costs, n, args.repeats))
+            for m in methods:
+                rows[m]["predicted_on_device"] = dev_rows[m]
+            advice[name]["device"] = {"name": device_costs.get("device"), "concurrency": dev_verdicts}
+        results += list(rows.values())
+    verify_ms = np.asarray(costs["verify_ms"])
+    draft_ms = np.asarray(costs["draft_ms"])
+    return {
+        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "budgets": args.budgets,
+        "repeats": args.repeats, "concurrency": args.concurrency,
+        "speed": {"order": "interleaved: every prompt decoded by every method back to back, order rotated per "
+                           "prompt",
+                  "speedup": "median over prompts and repeats of AR's decode time per token / the method's on the "
+                             "same prompt and repeat",
+                  "interval": f"90% percentile bootstrap, prompts then their repeats resampled ({speed.RESAMPLES} "
+                              "resamples, seed 0)"},
+        "costs": {"context": costs["context"], "rounds": len(costs["verify_ms"]),
+                  "verify_ms_by_width": {str(w): round(float(v), 4)
+                                         for w, v in zip(costs["widths"], np.median(verify_ms, axis=0))},
+                  "draft_ms_by_batch": {str(c): round(float(v), 4)
+                                        for c, v in zip(costs["batches"], np.median(draft_ms, axis=0))},
+                  "device_costs": {"name": device_costs.get("device"), "file": str(args.verify_times)}
+                  if device_costs else None},
+        "results": results, "advice": advice,
+        "command": "dflash-eval " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from dflash_train.checkpoint import (count_parameters, load_drafter, mask_token_
 from dflash_train.dspark import TREE_CANDIDATES
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
+from dflash_train.speed import verdict_text
 from dflash_train.target import check_tap_layers, resolve_pin
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "export" / "model_card_template.md"
@@ -85,6 +86,13 @@ def read_reports(paths: list[str]) -> list[dict]:
     return reports
 
 
+def _speedup_cell(r: dict) -> str:
+    if r["speedup"] is None:
+        return "n/a"
+    iv = r["speedup_interval"]
+    return f"{r['speedup']:.2f}x" + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv and iv[0] != iv[1] else "")
+
+
 def acceptance_section(reports: list[dict]) -> str:
     if not reports:
         return "No acceptance was measured for this export (no `--eval-report` was given)."
@@ -96,14 +104,17 @@ def acceptance_section(reports: list[dict]) -> str:
             out += [f"**{suite}** ({r0['prompts']} prompts, temperature {r0['temperature']}, "
                     f"max {r0['max_new_tokens']} new tokens per turn; target `{rep['target']}`; "
                     f"{rep['hardware']['device']}):", "",
-                    "| method | budget | tau (tokens per target forward) | lossless |", "|---|---:|---:|---|"]
+                    "| method | budget | tau (tokens per target forward) | lossless | speedup vs plain decoding "
+                    "(90% interval) |", "|---|---:|---:|---|---:|"]
             for r in rows:
                 lossless = {True: "yes", False: "NO", None: "n/a"}[r["lossless"]]
-                out.append(f"| {r['method']} | {r['budget']} | {r['tau']} | {lossless} |")
+                out.append(f"| {r['method']} | {r['budget']} | {r['tau']} | {lossless} | {_speedup_cell(r)} |")
             out.append("")
     out.append("tau counts the bonus token; `dflash` is the DFlash chain, `ddtree` a draft tree of "
-               "`budget` nodes verified in one forward, `ar` plain decoding. Values are copied from "
-               "the eval reports (`eval_reports/` in this repository).")
+               "`budget` nodes verified in one forward, `ar` plain decoding. Speedup: the median over prompts of "
+               "plain decoding's time per token / the method's on the same prompt, all methods run back to back "
+               "per prompt on the hardware named; the interval is a 90% bootstrap over prompts and repeats. "
+               "Values are copied from the eval reports (`eval_reports/` in this repository).")
     return "\n".join(out)
 
 
@@ -126,17 +137,22 @@ def validated_on_section(reports: list[dict]) -> str:
 def budget_section(reports: list[dict]) -> str:
     lines = []
     for rep in reports:
-        for suite, adv in rep.get("advice", {}).items():
-            if "best_budget" in adv:
-                lines.append(f"- {suite}: DDTree budget **{adv['best_budget']}** (predicted "
-                             f"{adv['best_predicted_speedup']}x over plain decoding on {rep['hardware']['device']})")
+        hw = rep["hardware"]["device"]
+        for suite, adv in rep["advice"].items():
+            lines.append(f"- {suite}, measured on {hw}, one request at a time: {verdict_text(adv['measured'])}")
+            for c, v in adv["concurrency"].items():
+                if int(c) > 1:
+                    lines.append(f"- {suite} on {hw}, {c} concurrent requests (predicted from the verify cost "
+                                 f"measured at each width): {verdict_text(v)}")
             if "device" in adv:
-                d = adv["device"]
-                lines.append(f"- {suite} on {d['name']}: budget **{d['best_budget']}** (predicted "
-                             f"{d['best_predicted_speedup']}x, from that device's measured verify costs)")
+                for c, v in adv["device"]["concurrency"].items():
+                    lines.append(f"- {suite} on {adv['device']['name']}, {c} request{'s' * (int(c) > 1)} (predicted "
+                                 f"from that device's measured costs): {verdict_text(v)}")
     if not lines:
         return "No recommended tree budget (no eval report was given)."
-    return "Recommended tree budget for DDTree decoding (dflash-eval's prediction):\n\n" + "\n".join(lines)
+    return ("Which method to run (dflash-eval's advice; a budget is named only when it beats every other method by "
+            "more than the measured spread, otherwise the methods that cannot be told apart are listed):\n\n"
+            + "\n".join(lines))
 
 
 def training_section(recipe_text: str | None, fmt: str) -> str:

@@ -1,7 +1,6 @@
-"""Eval reports: budget advice, report.json, report.md and plots (matplotlib, headless)."""
+"""Eval reports: report.json, report.md and plots (matplotlib, headless)."""
 
 import json
-import math
 from pathlib import Path
 
 import matplotlib
@@ -9,91 +8,82 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def _interp_log_width(table: dict, width: int) -> float:
-    """Verify ms at `width` from a {width: ms} table, linear in log(width) between measured widths."""
-    pts = sorted((int(w), float(ms)) for w, ms in table.items())
-    if width <= pts[0][0]:
-        return pts[0][1]
-    for (w0, m0), (w1, m1) in zip(pts, pts[1:]):
-        if width <= w1:
-            f = (math.log(width) - math.log(w0)) / (math.log(w1) - math.log(w0))
-            return m0 + f * (m1 - m0)
-    return pts[-1][1] * width / pts[-1][0]  # beyond the table: grow linearly (compute-bound)
+from dflash_train.speed import verdict_text  # noqa: E402
 
 
-def advise_budget(results: list[dict], device_costs: dict | None = None) -> dict:
-    """Predicted best DDTree budget per suite.
+def _speedup(value, iv) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:.2f}x" + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv and iv[0] != iv[1] else "")
 
-    Speedup over AR of a method = tau x (AR step time) / (its step time), with step time the sum
-    of its measured per-round stage times (draft + tree + verify + commit) on this device. With
-    `device_costs` (benchmarks/gpu_costs.py on another device), the step time there is
-    draft + tree build + verify at width budget+1 (interpolated), and AR's step is verify at width 1.
-    """
-    advice = {}
-    for suite in dict.fromkeys(r["suite"] for r in results):
-        rows = [r for r in results if r["suite"] == suite]
-        ar = next(r for r in rows if r["method"] == "ar")
-        ar_ms = sum(ar["stage_ms_per_round"].values())
-        preds = {}
-        for r in rows:
-            if r["method"] == "ddtree":
-                preds[r["budget"]] = r["tau"] * ar_ms / sum(r["stage_ms_per_round"].values())
-        chain = next(r for r in rows if r["method"] == "dflash")
-        entry = {"predicted_speedup_by_budget": {str(b): round(s, 3) for b, s in preds.items()},
-                 "chain_predicted_speedup": round(chain["tau"] * ar_ms / sum(chain["stage_ms_per_round"].values()), 3)}
-        if preds:
-            best = max(preds, key=preds.get)
-            entry.update(best_budget=best, best_predicted_speedup=round(preds[best], 3))
-        if device_costs:
-            v = device_costs["verify_ms_by_width"]
-            draft = device_costs.get("draft_ms", 0.0)
-            build = device_costs.get("tree_build_ms_by_budget", {})
-            ar_dev = _interp_log_width(v, 1)
-            dev = {}
-            for r in rows:
-                if r["method"] == "ddtree":
-                    b = r["budget"]
-                    step = draft + float(build.get(str(b), 0.0)) + _interp_log_width(v, b + 1)
-                    dev[b] = r["tau"] * ar_dev / step
-            if dev:
-                best = max(dev, key=dev.get)
-                entry["device"] = {"name": device_costs.get("device"), "best_budget": best,
-                                   "best_predicted_speedup": round(dev[best], 3),
-                                   "predicted_speedup_by_budget": {str(b): round(s, 3) for b, s in dev.items()}}
-        advice[suite] = entry
-    return advice
+
+def _method(r: dict) -> str:
+    return f"| {r['method']} | {r['budget']} |"
+
+
+def _prediction_table(rows: list[dict], key: str, levels: list[int]) -> list[str]:
+    lines = ["| method | budget | " + " | ".join(f"{c} request{'s' * (c > 1)}" for c in levels) + " |",
+             "|---|---:|" + "---:|" * len(levels)]
+    for r in rows:
+        cells = []
+        for c in levels:
+            p = r[key][str(c)]
+            cells.append(_speedup(p["speedup"], p["interval"]) + ("*" if p["extrapolated"] else ""))
+        lines.append(f"{_method(r)} " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(report: dict) -> str:
     hw = report["hardware"]
+    levels = report["concurrency"]
     lines = [f"# dflash-eval: {report['drafter']}", "",
              f"Target `{report['target']}`, block size {report['block_size']}, taps {report['target_layer_ids']}, "
-             f"temperature {report['temperature']}, max {report['max_new_tokens']} new tokens per turn.",
+             f"temperature {report['temperature']}, max {report['max_new_tokens']} new tokens per turn, "
+             f"{report['repeats']} repeat(s) of the sweep.",
              f"Hardware: {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
              + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "") + ".", ""]
+    extrapolated = False
     for suite, adv in report["advice"].items():
         rows = [r for r in report["results"] if r["suite"] == suite]
         lines += [f"## {suite} ({rows[0]['prompts']} prompts)", "",
-                  "| method | budget | tau | tokens/s | speedup vs AR | lossless | draft ms | tree ms | verify ms | commit ms |",
+                  "| method | budget | tau | speedup vs AR (90% interval) | tokens/s | lossless | draft ms | tree ms "
+                  "| verify ms | commit ms |",
                   "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for r in rows:
             s = r["stage_ms_per_round"]
             lossless = {True: "yes", False: "**NO**", None: "n/a (T>0)"}[r["lossless"]]
-            lines.append(f"| {r['method']} | {r['budget']} | {r['tau']:.2f} | {r['tokens_per_s']} | "
-                         f"{r['speedup']:.2f}x | {lossless} | {s['draft']:.2f} | {s['tree']:.2f} | "
-                         f"{s['verify']:.2f} | {s['commit']:.2f} |")
+            lines.append(f"{_method(r)} {r['tau']:.2f} | {_speedup(r['speedup'], r['speedup_interval'])} | "
+                         f"{r['tokens_per_s']} | {lossless} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:.2f}" for k in s)
+                         + " |")
+        lines += ["", f"**Measured here, one request at a time:** {verdict_text(adv['measured'])}", "",
+                  "Predicted speedup over AR when N requests share one verify forward "
+                  "(width N x (budget + 1)), from this eval's cost curve:", ""]
+        lines += _prediction_table(rows, "predicted", levels)
         lines.append("")
-        if "best_budget" in adv:
-            lines.append(f"Recommended DDTree budget on this device: **{adv['best_budget']}** (predicted "
-                         f"{adv['best_predicted_speedup']:.2f}x over AR; the chain: {adv['chain_predicted_speedup']:.2f}x).")
+        lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}" for c, v in adv["concurrency"].items()
+                  if int(c) > 1]
+        extrapolated |= any(p["extrapolated"] for r in rows for p in r["predicted"].values())
         if "device" in adv:
-            d = adv["device"]
-            lines.append(f"On {d['name']} (from its measured verify costs): budget **{d['best_budget']}**, "
-                         f"predicted {d['best_predicted_speedup']:.2f}x over AR.")
+            lines += ["", f"Predicted on {adv['device']['name']} (from its measured costs, `--verify-times`):", ""]
+            lines += _prediction_table(rows, "predicted_on_device", levels)
+            lines.append("")
+            lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}"
+                      for c, v in adv["device"]["concurrency"].items()]
         lines.append("")
-    lines += ["tau = tokens per target forward, bonus token included, averaged over prompts. "
-              "Times are per decoding round, prefill excluded.", ""]
+    costs = report["costs"]
+    lines += ["Speedup = median over prompts and repeats of AR's decode time per token / the method's on the same "
+              "prompt; the methods run back to back per prompt, in an order rotated from prompt to prompt, so a "
+              "change in machine load lands on all of them. Interval: 90% bootstrap over prompts and repeats. "
+              "tau = tokens per target forward, bonus token included, averaged over prompts. "
+              "Stage times are medians per decoding round, prefill excluded.", "",
+              f"Cost curve (median of {costs['rounds']} rounds after a {costs['context']}-token context): verify ms by "
+              "width " + ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["verify_ms_by_width"].items())
+              + "; drafter ms by batch " + ", ".join(f"{c}: {ms:.2f}" for c, ms in costs["draft_ms_by_batch"].items())
+              + ". A round of N requests = drafter pass for N + N x (tree build + commit) + one verify forward.",
+              ""]
+    if extrapolated:
+        lines += ["\\* the verify width is beyond the widest measured (1024): extrapolated along the curve's last "
+                  "segment.", ""]
     return "\n".join(lines)
 
 
@@ -102,14 +92,66 @@ def plot_tau(report: dict, path: Path) -> None:
     for suite in report["advice"]:
         rows = [r for r in report["results"] if r["suite"] == suite]
         tree = sorted((r["budget"], r["tau"]) for r in rows if r["method"] == "ddtree")
-        line = ax.plot([max(b, 0.5) for b, _ in tree], [t for _, t in tree], marker="o", label=f"{suite}: DDTree")
+        line = ax.plot([b for b, _ in tree], [t for _, t in tree], marker="o", label=f"{suite}: DDTree")
         chain = next(r["tau"] for r in rows if r["method"] == "dflash")
         ax.axhline(chain, linestyle="--", color=line[0].get_color(), label=f"{suite}: DFlash chain")
     ax.axhline(1.0, color="grey", linewidth=0.8, label="AR")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("tree budget (non-root nodes; 0 drawn at 0.5)")
+    ax.set_xlabel("tree budget (non-root nodes)")
     ax.set_ylabel("tau (tokens per target forward)")
     ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_speedup(report: dict, path: Path) -> None:
+    """Per suite: measured speedup (one request, with its interval) and the predicted speedup at
+    each concurrency against the tree budget; the chain is drawn at its own width (B-1 nodes)."""
+    suites = list(report["advice"])
+    fig, axes = plt.subplots(len(suites), 1, figsize=(7, 4 * len(suites)), squeeze=False)
+    for ax, suite in zip(axes[:, 0], suites):
+        rows = [r for r in report["results"] if r["suite"] == suite]
+        tree = sorted((r for r in rows if r["method"] == "ddtree"), key=lambda r: r["budget"])
+        chain = next(r for r in rows if r["method"] == "dflash")
+        for c in report["concurrency"]:
+            ps = [r["predicted"][str(c)] for r in tree]
+            line = ax.plot([r["budget"] for r in tree], [p["speedup"] for p in ps], marker=".",
+                           label=f"predicted, {c} request{'s' * (c > 1)}")
+            color = line[0].get_color()
+            ivs = [p["interval"] or [p["speedup"]] * 2 for p in ps]
+            ax.fill_between([r["budget"] for r in tree], [i[0] for i in ivs], [i[1] for i in ivs], color=color,
+                            alpha=0.15)
+            pc = chain["predicted"][str(c)]
+            ax.plot([chain["budget"]], [pc["speedup"]], marker="s", color=color, linestyle="none")
+        measured = [r for r in tree + [chain] if r["speedup"] is not None]
+        ax.errorbar([r["budget"] for r in measured], [r["speedup"] for r in measured],
+                    yerr=[[r["speedup"] - (r["speedup_interval"] or [r["speedup"]] * 2)[0] for r in measured],
+                          [(r["speedup_interval"] or [r["speedup"]] * 2)[1] - r["speedup"] for r in measured]],
+                    fmt="o", color="black", capsize=3, label="measured, 1 request (90% interval)")
+        ax.axhline(1.0, color="grey", linewidth=0.8, label="AR")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{suite}: speedup over AR (squares: the DFlash chain)")
+        ax.set_xlabel("tree budget (non-root nodes)")
+        ax.set_ylabel("speedup over AR")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_verify_cost(report: dict, path: Path) -> None:
+    costs = report["costs"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    widths = [int(w) for w in costs["verify_ms_by_width"]]
+    ax.plot(widths, list(costs["verify_ms_by_width"].values()), marker="o")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("verify width (tokens in one target forward)")
+    ax.set_ylabel("ms per verify forward")
+    ax.set_title(f"{report['hardware']['device']}: verify cost after {costs['context']} context tokens", fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -121,8 +163,9 @@ def plot_histograms(report: dict, path: Path) -> None:
     fig, axes = plt.subplots(len(suites), 1, figsize=(6, 3 * len(suites)), squeeze=False)
     for ax, suite in zip(axes[:, 0], suites):
         rows = [r for r in report["results"] if r["suite"] == suite and r["method"] != "ar"]
-        best = report["advice"][suite].get("best_budget")
-        shown = [r for r in rows if r["method"] == "dflash" or r["budget"] == best]
+        trees = [r for r in rows if r["method"] == "ddtree" and r["speedup"] is not None]
+        best = max(trees, key=lambda r: r["speedup"])["budget"] if trees else None
+        shown = [r for r in rows if r["method"] == "dflash" or (r["method"] == "ddtree" and r["budget"] == best)]
         width = 0.8 / max(len(shown), 1)
         for i, r in enumerate(shown):
             ks = [int(k) for k in r["accept_hist"]]
@@ -143,3 +186,5 @@ def write_report(folder: Path, report: dict) -> None:
     (folder / "report.md").write_text(markdown(report))
     plot_tau(report, folder / "tau_vs_budget.png")
     plot_histograms(report, folder / "accept_hist.png")
+    plot_speedup(report, folder / "speedup_vs_budget.png")
+    plot_verify_cost(report, folder / "verify_cost.png")

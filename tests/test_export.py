@@ -25,12 +25,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def fake_report(device_type="cpu", device="Some CPU", tau64=5.1234):
     rows = [{"suite": "tinychat", "method": m, "budget": b, "temperature": 0.0, "max_new_tokens": 64, "prompts": 8,
-             "tau": t, "lossless": True} for m, b, t in [("ar", 0, 1.0), ("dflash", 7, 3.4567), ("ddtree", 64, tau64)]]
+             "tau": t, "lossless": True, "speedup": x, "speedup_interval": iv}
+            for m, b, t, x, iv in [("ar", 0, 1.0, 1.0, [1.0, 1.0]), ("dflash", 7, 3.4567, 1.5, [1.4, 1.6]),
+                                   ("ddtree", 64, tau64, 1.9, [1.8, 2.05])]]
     hw = {"device": device, "device_type": device_type, "torch": "2.x"}
     if device_type == "cuda":
         hw.update(cuda="12.8", driver="570.1")
+    best = {"best": {"method": "ddtree", "budget": 64}, "speedup": 1.9, "interval": [1.8, 2.05],
+            "recommended": {"method": "ddtree", "budget": 64}, "indistinguishable": []}
     return {"target": "data/tiny-target", "hardware": hw, "results": rows,
-            "advice": {"tinychat": {"best_budget": 64, "best_predicted_speedup": 1.9}}}
+            "advice": {"tinychat": {"measured": best, "concurrency": {"1": best}}}}
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +137,7 @@ def test_model_card(exports):
         assert f"| {r['method']} | {r['budget']} | {r['tau']} | yes |" in text  # exact values from the report
     assert "- Some CPU (cpu)" in text and "Not validated on a GPU." in text
     assert "budget **64**" in text and "vllm serve" in text
+    assert "| ddtree | 64 | 5.1234 | yes | 1.90x (1.80-2.05) |" in text  # the speedup with its interval
     assert "200 steps" not in text and "100 steps" in text  # from the run's own recipe
     assert "SHA-256" in text
 

@@ -364,3 +364,16 @@ def test_dspark_refuses_engines_that_cannot_gather_its_heads(monkeypatch):
         check_dspark_engine("dflash", "fsdp", accelerator=None)  # DFlash: any FSDP config
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
     check_dspark_engine("dspark", "fsdp", accelerator=None)
+
+
+def test_dspark_recipe_starts_from_a_dflash_drafter(trained_drafter_dir, tmp_path, small_data):
+    """model.init_from a DFlash drafter in a DSpark recipe: its backbone, fresh heads."""
+    from dflash_train.train import main as train_main
+
+    train_main([f"output_dir={tmp_path / 'ft'}", f"model.init_from={trained_drafter_dir}", "max_steps=1",
+                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
+                "train.batch_size=4", "model.variant=dspark", "model.markov_rank=8", "eval.max_samples=4"])
+    start, end = load_drafter(trained_drafter_dir)[0], load_drafter(tmp_path / "ft" / "final")[0]
+    assert end.config.variant == "dspark" and end.markov_head is not None and end.confidence_head is not None
+    for k, v in start.state_dict().items():
+        torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)

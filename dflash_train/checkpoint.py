@@ -61,24 +61,45 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias, block_attention=m.block_attention,
+        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m),
     )
 
 
+def dspark_fields(m: ModelConfig) -> dict:
+    """The DSpark part of a DrafterConfig (its defaults for DFlash)."""
+    if m.variant != "dspark":
+        return {}
+    return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
+            "confidence_head": m.confidence_head,
+            "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
+
+
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
-    """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees."""
+    """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees.
+    A DFlash drafter may start a DSpark recipe: its backbone, with fresh DSpark heads."""
     cfg = drafter_config_for(target, m)
     if m.init_from is None:
         return DFlashDrafter(cfg)
     drafter, _ = load_drafter(m.init_from)
     check_matches_target(drafter.config, target)
     loaded = drafter.config
-    for key, field in [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
-                       ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
-                       ("block_attention", "block_attention")]:
+    fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
+              ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
+              ("block_attention", "block_attention"), ("variant", "variant")]
+    if loaded.variant == "dspark":
+        fields += [("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
+                   ("confidence_head", "confidence_head")]
+    for key, field in fields:
+        if key == "variant" and (loaded.variant, cfg.variant) == ("dflash", "dspark"):
+            continue
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
                             f"{getattr(cfg, field)}: set model.{key} to match")
+    if loaded.variant != cfg.variant:  # a DFlash backbone under fresh DSpark heads
+        grown = DFlashDrafter(cfg)
+        missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)
+        return grown
     loaded.num_target_layers = cfg.num_target_layers
     return drafter
 

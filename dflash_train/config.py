@@ -46,6 +46,12 @@ class ModelConfig(Section):
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None
+    # dspark = the DFlash backbone + DSpark's Markov logit-bias head (slot k conditioned on the
+    # token at slot k-1) and confidence head (dflash_train/dspark.py). The keys below are DSpark's.
+    variant: Literal["dflash", "dspark"] = "dflash"
+    markov_rank: int = Field(256, ge=0)  # r of the bias W2(W1[x]); 0 = no Markov head (the backbone's logits)
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # vLLM 0.33 serves vanilla only
+    confidence_head: bool = True  # predict each slot's acceptance rate (trained with loss.confidence_weight)
 
 
 class DataConfig(Section):
@@ -77,6 +83,8 @@ class LossConfig(Section):
     # Slots per chunk of the full-vocabulary loss (rounded down to whole blocks): bounds its
     # memory to a few [chunk_slots, V] fp32 tensors; 0 = the whole batch at once.
     chunk_slots: int = Field(512, ge=0)
+    # DSpark's confidence head: BCE toward the detached per-slot acceptance rate sum_v min(p_v, q_v)
+    confidence_weight: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _some_loss(self):

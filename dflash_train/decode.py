@@ -8,6 +8,10 @@ their tapped hidden states extend the drafter's context cache. So all three meth
 measured by the same code, and each round is one target forward.
 
     result = decode(target, drafter, prompt_ids, method="ddtree", budget=64)
+
+A DSpark drafter drafts its chain with the Markov bias fed by its own drafted tokens
+(`dspark.markov_chain`), and its DDTree is path-conditioned (`dspark.MarkovScorer`), or built
+from the backbone's marginals alone with tree_scores="marginal".
 """
 
 import time
@@ -16,11 +20,14 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash_train.ddtree import DraftTree, accept_walk, build_tree, chain_tree, root_only_tree, tree_attention_mask
+from dflash_train.ddtree import (DraftTree, accept_walk, build_tree, chain_tree, root_only_tree, spine_counts,
+                                 tree_attention_mask)
+from dflash_train.dspark import MarkovScorer, markov_chain
 from dflash_train.model import ContextCache, DFlashDrafter
 from dflash_train.target import Target, taps_from_hidden_states
 
 METHODS = ("ar", "dflash", "ddtree")
+TREE_SCORES = ("conditional", "marginal")  # DSpark's DDTree: path-conditioned, or from the backbone's marginals
 STAGES = ("draft", "tree", "verify", "commit")
 
 
@@ -30,6 +37,11 @@ class DecodeResult:
     accept_lengths: list[int] = field(default_factory=list)  # per round: tokens emitted (accepted + bonus)
     stage_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))  # prefill excluded
     prefill_s: float = 0.0
+    # ddtree.spine_counts summed over rounds: on-spine hits, nodes, off-spine hits, nodes
+    spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    # DSpark's confidence head along the chain, per drafted slot: [predicted sum, rounds that
+    # reached the slot, rounds that accepted it] (None without a confidence head or off the chain)
+    confidence: list[list[float]] | None = None
 
     @property
     def tau(self) -> float:
@@ -64,14 +76,18 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
-    """One drafter pass on [bonus, MASK x (B-1)] at positions start..start+B-1 -> logits [B-1, V]."""
+def draft_hidden(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
+    """One drafter pass on [bonus, MASK x (B-1)] at positions start..start+B-1 -> hidden [B, H]."""
     B, device = drafter.config.block_size, target.embed.weight.device
     block = torch.full((1, B), drafter.config.mask_token_id, device=device)
     block[0, 0] = bonus
     positions = torch.arange(start, start + B, device=device)[None]
-    hidden = drafter.forward_cached(target.embed(block), positions, ctx)  # [1, B, H]
-    return target.lm_head(hidden[0, 1:])
+    return drafter.forward_cached(target.embed(block), positions, ctx)[0]  # [B, H]
+
+
+def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
+    """The backbone's block logits [B-1, V] (slots 1..B-1)."""
+    return target.lm_head(draft_hidden(drafter, target, ctx, bonus, start)[1:])
 
 
 def verify(target: Target, cache: DynamicCache, tree: DraftTree, bonus: int, start: int, want_taps: bool):
@@ -101,10 +117,14 @@ def commit(cache: DynamicCache, start: int, accepted: list[int]) -> None:
 @torch.no_grad()
 def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tensor, method: str = "ddtree",
            budget: int = 64, temperature: float = 0.0, max_new_tokens: int = 128,
-           stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None) -> DecodeResult:
-    """Generate up to max_new_tokens after prompt_ids [1, P] (stopping after a stop token)."""
+           stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
+           tree_scores: str = "conditional") -> DecodeResult:
+    """Generate up to max_new_tokens after prompt_ids [1, P] (stopping after a stop token).
+    tree_scores: how a DSpark drafter's DDTree is scored (TREE_SCORES); DFlash has marginals only."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if tree_scores not in TREE_SCORES:
+        raise ValueError(f"tree_scores must be one of {TREE_SCORES}, got {tree_scores!r}")
     device = target.embed.weight.device
     use_drafter = method != "ar"
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
@@ -121,21 +141,45 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
         drafter.extend_context(ctx, taps_from_hidden_states(out.hidden_states, layer_ids),
                                torch.arange(start, device=device)[None])
     result = DecodeResult(tokens=[bonus], prefill_s=time.perf_counter() - t0)
+    dspark = use_drafter and drafter.config.variant == "dspark"
+    calibrate = dspark and method == "dflash" and drafter.confidence_head is not None
+    if calibrate:
+        result.confidence = [[0.0] * (drafter.config.block_size - 1) for _ in range(3)]
     clock = _Clock(result.stage_s, device)
 
     while len(result.tokens) < max_new_tokens and bonus not in stop_ids:
+        confidence = None
         if method == "ar":
             tree = root_only_tree()
         else:
-            draft_logits = draft_block(drafter, target, ctx, bonus, start)  # [B-1, V]
+            hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
+            base_logits = target.lm_head(hidden[1:])  # [B-1, V], the backbone's
+            if method == "dflash" and dspark:  # the Markov chain: each slot biased by the token drafted before it
+                chain, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
+            elif method == "dflash":
+                chain = base_logits.argmax(-1)
             clock.lap("draft")
-            tree = build_tree(draft_logits, budget) if method == "ddtree" else chain_tree(draft_logits.argmax(-1))
+            if method == "dflash":
+                tree = chain_tree(chain)
+            else:
+                conditional = drafter.markov_head is not None and tree_scores == "conditional"
+                tree = build_tree(base_logits, budget, MarkovScorer(drafter.markov_head, hidden, bonus)
+                                   if conditional else None)
         clock.lap("tree")
 
         logits, hidden_states = verify(target, cache, tree, bonus, start, use_drafter)
         posterior = choose(logits, temperature, generator).tolist()  # the target's pick after each node
         accepted, bonus = accept_walk(tree, posterior)
         clock.lap("verify")
+        if use_drafter:  # diagnostics: does the best child under each accepted node name the target's next token?
+            counts = spine_counts(tree, accepted[1:], [posterior[i] for i in accepted[1:]])
+            result.spine = [a + c for a, c in zip(result.spine, counts)]
+        if confidence is not None:  # slots 1..a accepted, slot a+1 rejected, later ones never reached
+            a = len(accepted) - 1
+            for k, p in enumerate(torch.sigmoid(confidence.float()).tolist()[: a + 1]):
+                result.confidence[0][k] += p
+                result.confidence[1][k] += 1
+                result.confidence[2][k] += k < a
 
         commit(cache, start, accepted)
         if use_drafter:

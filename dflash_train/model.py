@@ -36,6 +36,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from dflash_train.dspark import dspark_heads
+
 
 @dataclass
 class DrafterConfig:
@@ -58,6 +60,13 @@ class DrafterConfig:
     attention_bias: bool = False
     # In-block attention: DFlash's bidirectional block, or JetSpec-style causal (slot i sees <= i).
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    # DSpark (dflash_train/dspark.py): a Markov logit-bias head of rank markov_rank (0: none) and a
+    # confidence head, whose input includes the Markov embedding when confidence_head_with_markov.
+    variant: str = "dflash"
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
 
     def qwen3_config(self) -> Qwen3Config:
         """The Qwen3 config the drafter's layers are built from (Speculators' transformer_layer_config)."""
@@ -200,6 +209,8 @@ class DFlashDrafter(nn.Module):
         self.gradient_checkpointing = False  # training sets it from the recipe
         self.flex_attention = False  # training forward: block-sparse flex attention instead of a dense mask
         self.apply(self._init_weights)
+        # DSpark's heads (None for DFlash), applied by the caller after the backbone (dflash_train/dspark.py)
+        self.markov_head, self.confidence_head = dspark_heads(config)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

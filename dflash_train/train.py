@@ -32,21 +32,24 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.blocks import anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
+from dflash_train.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts, ddtree_acceptance,
+                                 draw_anchors)
 from dflash_train.checkpoint import (check_resumable, count_parameters, init_drafter, load_checkpoint,
                                      newest_checkpoint, save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import check_data_path, collate, load_conversations
+from dflash_train.dspark import MarkovHead, confidence_loss
 from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
                                   gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
                                   make_accelerator, shards_itself, whole_model_loading)
 from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import check_complete, open_cache
-from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, loss_divisor
+from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, exp_weights, loss_divisor
 from dflash_train.outputs import (KINDS, MARKER, check_folder_path, is_empty, marker_kind, model_source,
                                   refuse_overlap, resolve_input, sibling, write_marker)
 from dflash_train.progress import BAR_INTERVAL
@@ -88,15 +91,19 @@ def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: 
 @torch.no_grad()
 def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
     """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
-    EAL and teacher-forced DDTree tau at the recipe's budgets, with fixed anchors; each process
-    takes every P-th conversation and the counts are summed, so the result does not depend on
-    the process count."""
+    EAL and teacher-forced DDTree tau at the recipe's budgets with the on-/off-spine accuracy of
+    the largest tree (path-conditioned for DSpark) and DSpark's confidence calibration, with
+    fixed anchors; each process takes every P-th conversation and the counts are summed, so the
+    result does not depend on the process count."""
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
     budgets, T, K = cfg.eval.ddtree_budgets, len(cfg.loss.terms), B - 1
-    # loss and term numerators, the divisor, acceptance counts, tree counts: all summable
-    totals = torch.zeros(1 + T + 1 + 3 * K + 2 + len(budgets) + 1, dtype=torch.float64)
+    # loss and term numerators, the divisor, acceptance counts, tree + spine counts, confidence
+    # calibration: all summable
+    sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
+    totals = torch.zeros(sum(sizes), dtype=torch.float64)
+    tree_head = cpu_markov_head(model)  # DSpark's path-conditioned trees are built on CPU
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
@@ -107,29 +114,85 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
             o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id)
-            loss_sum, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
-                                      normalizer=1.0)
+            loss_sum, m = training_loss(o, target, model, cfg, normalizer=1.0)
             if not chunk:
                 continue
-            # teacher-forced trees from the drafter's block distributions, a chunk of blocks at a time
-            hidden, labels, valid = (x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks]
-                                     for x in (o.draft_hidden, m["labels"], o.valid))
-            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(hidden)
-            tree = sum((ddtree_acceptance(target.lm_head(hidden[j : j + n]).float().cpu(), labels[j : j + n].cpu(),
-                                          valid[j : j + n].cpu(), budgets, n)
-                        for j in range(0, len(hidden), n)), torch.zeros(len(budgets) + 1, dtype=torch.float64))
+            # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
+            # backbone's, path-conditioned), a chunk of blocks at a time
+            flat = [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.draft_hidden, m["labels"], o.valid)]
+            if tree_head is not None:
+                flat += [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.block_hidden, o.bonus)]
+            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(flat[0])
+            tree = torch.zeros(sizes[2], dtype=torch.float64)
+            for j in range(0, len(flat[0]), n):
+                hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
+                tree += ddtree_acceptance(target.lm_head(hidden).float().cpu(), labels.cpu(), valid.cpu(), budgets, n,
+                                          tree_head, *(x.float().cpu() if x.is_floating_point() else x.cpu()
+                                                       for x in path_inputs))
+        calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
+            confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
         totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
                                           loss_divisor(o.valid, cfg.loss).double().cpu()]),
-                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree])
+                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    divisor = totals[1 + T].clamp(min=1e-8)
-    counts, tree = totals[2 + T : 2 + T + 3 * K + 2], totals[2 + T + 3 * K + 2 :]
-    blocks = max(tree[-1].item(), 1.0)
-    return {"loss": (totals[0] / divisor).item(),
-            "terms": {name: (totals[1 + t] / divisor).item() for t, name in enumerate(cfg.loss.terms)},
-            **acceptance_metrics(counts),
-            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)}}
+    head, counts, tree, calibration = totals.split(sizes)
+    divisor = head[1 + T].clamp(min=1e-8)
+    blocks = max(tree[len(budgets)].item(), 1.0)
+    on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
+    out = {"loss": (head[0] / divisor).item(),
+           "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(cfg.loss.terms)},
+           **acceptance_metrics(counts),
+           "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
+           "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
+           "off_spine_nodes": int(off_n)}
+    if model.confidence_head is not None:
+        predicted, alpha, n = calibration.view(3, K)
+        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
+                             "alpha": (alpha / n.clamp(min=1)).tolist()}
+    return out
+
+
+def cpu_markov_head(model) -> MarkovHead | None:
+    """A CPU float32 copy of the drafter's Markov head (gathered from its shards under FSDP, so
+    every process calls this), or None."""
+    if model.markov_head is None:
+        return None
+    head = model.markov_head
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
+             for k, v in head.state_dict().items()}
+    copy = MarkovHead(model.config.vocab_size, head.rank, model.config.hidden_size, head.head_type)
+    copy.load_state_dict(state)
+    return copy.eval()
+
+
+def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
+    """The recipe's loss on the anchored blocks (a DSpark drafter's logits carry its Markov bias),
+    plus, for DSpark's confidence head, loss.confidence_weight x its BCE toward the detached
+    per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
+    the same normaliser."""
+    bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
+    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                          normalizer=normalizer, markov_bias=bias)
+    if o.confidence_logits is not None and cfg.loss.confidence_weight:
+        w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
+        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w, normalizer)
+    return loss, m
+
+
+def check_dspark_engine(variant: str, engine: str, accelerator) -> None:
+    """DSpark's heads run after the backbone's forward and the Markov head's W2 inside the loss,
+    outside any sharded unit's forward: FSDP must keep parameters unsharded from forward to
+    backward (recipes/accelerate/fsdp_dspark.yaml) and ZeRO-3, which gathers them per module
+    forward, cannot serve them."""
+    if variant != "dspark":
+        return
+    if engine == "fsdp" and os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true":
+        raise UserError("model.variant=dspark under FSDP needs fsdp_reshard_after_forward: false "
+                        "(launch with --config_file recipes/accelerate/fsdp_dspark.yaml)")
+    if engine == "deepspeed" and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise UserError("model.variant=dspark does not run under DeepSpeed ZeRO-3 (its heads' weights are used "
+                        "outside a module forward): use ZeRO-2 or recipes/accelerate/fsdp_dspark.yaml")
 
 
 def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
@@ -301,6 +364,7 @@ def train(cfg: RunConfig) -> None:
     drafter = init_drafter(target, cfg.model)
     if resume:
         check_resumable(resume, drafter)
+    check_dspark_engine(cfg.model.variant, engine, accelerator)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
         raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
@@ -393,8 +457,7 @@ def train(cfg: RunConfig) -> None:
         for i, (batch, anchors, anchor_valid) in enumerate(micro):
             with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
                 o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cache)
-                loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
-                                      normalizer=normalizer)
+                loss, m = training_loss(o, target, accelerator.unwrap_model(drafter), cfg, normalizer)
                 accelerator.backward(loss)
             loss_sum += loss.item()
             terms = terms + m["terms"].double().cpu()
@@ -427,7 +490,11 @@ def train(cfg: RunConfig) -> None:
                            "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
                            "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
                            "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
-                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()}})
+                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
+                           **{f"val_{k}": None if val[k] is None else round(val[k], 4)
+                              for k in ("on_spine_acc", "off_spine_acc")}})
+            if "confidence" in val:  # DSpark: the confidence head's calibration per slot
+                record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -491,7 +558,7 @@ def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, op
 def flat_for_tracker(record: dict) -> dict:
     """metrics.jsonl record -> scalar keys for wandb (loss/<term>, alpha_k, val/loss/<term>,
     val/acc_k, val/alpha_k, val/ddtree_tau@budget)."""
-    flat = {k: v for k, v in record.items() if not isinstance(v, (list, dict))}
+    flat = {k: v for k, v in record.items() if v is not None and not isinstance(v, (list, dict))}
     for key, prefix in [("terms", "loss/"), ("val_terms", "val/loss/")]:
         for name, v in record.get(key, {}).items():
             flat[prefix + name] = v

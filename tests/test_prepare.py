@@ -252,8 +252,20 @@ BAD_INPUTS = {  # case -> (how to make the input, expected error fragment)
 }
 
 
+def run_in_process(capsys, *args) -> tuple[int, str]:
+    """dflash-prepare's main in this process (no interpreter start-up): (exit code, stderr)."""
+    from dflash_train.prepare import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in args])
+    return e.value.code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", list(BAD_INPUTS) + ["no_chat_template", "strict", "vllm_missing"])
-def test_bad_input_is_one_error_line(case, tmp_path):
+def test_bad_input_is_one_error_line(case, tmp_path, capsys):
+    """One `error:` line, exit 2, nothing written. The first case runs the real command line
+    (interpreter, entry point); the rest call main in-process, which is the same code under cli_guard."""
     target, extra = TINY_TARGET, []
     if case in BAD_INPUTS:
         make, expected = BAD_INPUTS[case]
@@ -267,8 +279,13 @@ def test_bad_input_is_one_error_line(case, tmp_path):
         else:
             extra, expected = ["--regenerate", "--backend", "vllm"], "needs the 'vllm' package"
     out = tmp_path / "out"
-    r = run_cli("--input", src, "--format", "messages", "--target", target, "--output", out, *extra)
-    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
-    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert len(errors) == 1 and expected in errors[0], r.stderr[-2000:]
+    args = ["--input", src, "--format", "messages", "--target", target, "--output", out, *extra]
+    if case == "missing":
+        r = run_cli(*args)
+        code, stderr = r.returncode, r.stderr
+    else:
+        code, stderr = run_in_process(capsys, *args)
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
+    assert len(errors) == 1 and expected in errors[0], stderr[-2000:]
     assert not out.exists() and not list(tmp_path.glob(".out.tmp-*"))

@@ -182,7 +182,7 @@ def run_cli(*args):
                           cwd=ROOT, timeout=300)
 
 
-def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_target_dir):
+def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_target_dir, capsys):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("keep")
@@ -196,12 +196,18 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
          "--budgets must be"),
         (["--drafter", str(trained_drafter_dir), "--output", str(busy)], "is not empty"),
     ]
-    for args, message in cases:
-        r = run_cli(*args)
-        assert r.returncode == 2, (args, r.stderr[-2000:])
-        lines = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
-        assert len(lines) == 1 and message in lines[0], r.stderr[-2000:]
-        assert "Traceback" not in r.stderr
+    for i, (args, message) in enumerate(cases):
+        # the first case through the real command line, the rest in-process (the same code under cli_guard)
+        if i == 0:
+            r = run_cli(*args)
+            code, stderr = r.returncode, r.stderr
+        else:
+            capsys.readouterr()
+            code, stderr = run_main(capsys, *args)
+        assert code == 2, (args, stderr[-2000:])
+        lines = [ln for ln in stderr.strip().splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1 and message in lines[0], stderr[-2000:]
+        assert "Traceback" not in stderr
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
     assert (busy / "x").read_text() == "keep"
 

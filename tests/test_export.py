@@ -228,7 +228,7 @@ def no_mask_target(tmp_path_factory):
 
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, llama_target_dir, no_mask_target,
-                                                         tmp_path):
+                                                         tmp_path, capsys):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep").write_text("x")
@@ -250,12 +250,20 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, ll
         (["--format", "dflash", "--checkpoint", d, "--output", str(tmp_path / "o6"), "--dry-run"],
          "go with --push-to-hub"),
     ]
-    for args, message in cases:
-        r = run_cli(*args)
-        assert r.returncode == 2, (args, r.stderr[-1500:])
-        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-        assert len(errors) == 1 and message in errors[0], (message, r.stderr[-1500:])
-        assert "Traceback" not in r.stderr
+    for i, (args, message) in enumerate(cases):
+        # the first case through the real command line, the rest in-process (the same code under cli_guard)
+        if i == 0:
+            r = run_cli(*args)
+            code, stderr = r.returncode, r.stderr
+        else:
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as e:
+                main(args)
+            code, stderr = e.value.code, capsys.readouterr().err
+        assert code == 2, (args, stderr[-1500:])
+        errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (message, stderr[-1500:])
+        assert "Traceback" not in stderr
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
     assert not list(tmp_path.glob(".o*.tmp-*"))
     assert [p.name for p in busy.iterdir()] == ["keep"]

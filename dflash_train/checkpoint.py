@@ -61,24 +61,49 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias, block_attention=m.block_attention,
+        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dflash2_fields(m, tc.hidden_size),
     )
 
 
+def dflash2_fields(m: ModelConfig, hidden_size: int) -> dict:
+    """The DFlash2 part of a DrafterConfig (its zero defaults for DFlash)."""
+    if m.variant != "dflash2":
+        return {}
+    if hidden_size % m.conv_group_size:
+        raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden size "
+                        f"{hidden_size}")
+    if m.conv_kernel_size > m.block_size:
+        raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size {m.block_size}")
+    return {"variant": "dflash2", "conv_kernel_size": m.conv_kernel_size, "conv_group_size": m.conv_group_size,
+            "selector_rank": m.selector_rank, "selector_top_k": m.selector_top_k}
+
+
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
-    """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees."""
+    """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees.
+    A DFlash drafter may start a DFlash2 recipe: its weights, identity convolutions (so it
+    computes what it computed) and a fresh selector."""
     cfg = drafter_config_for(target, m)
     if m.init_from is None:
         return DFlashDrafter(cfg)
     drafter, _ = load_drafter(m.init_from)
     check_matches_target(drafter.config, target)
     loaded = drafter.config
-    for key, field in [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
-                       ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
-                       ("block_attention", "block_attention")]:
+    fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
+              ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
+              ("block_attention", "block_attention")]
+    if loaded.variant == "dflash2":
+        fields += [("variant", "variant"), ("conv_kernel_size", "conv_kernel_size"),
+                   ("conv_group_size", "conv_group_size"), ("selector_rank", "selector_rank"),
+                   ("selector_top_k", "selector_top_k")]
+    for key, field in fields:
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
                             f"{getattr(cfg, field)}: set model.{key} to match")
+    if loaded.variant != cfg.variant:  # a DFlash drafter grown into DFlash2
+        grown = DFlashDrafter(cfg)
+        missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+        assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing)
+        return grown
     loaded.num_target_layers = cfg.num_target_layers
     return drafter
 

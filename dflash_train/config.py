@@ -45,6 +45,13 @@ class ModelConfig(Section):
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None
+    # dflash2 = DFlash + local convolutions around each sublayer and a candidate selector that
+    # re-ranks each slot's unary top-K given the token before it (dflash_train/dflash2.py).
+    variant: Literal["dflash", "dflash2"] = "dflash"
+    conv_kernel_size: int = Field(2, ge=1)  # dflash2: taps of each convolution (slot s reads s-k+1..s)
+    conv_group_size: int = Field(16, ge=1)  # dflash2: hidden channels sharing one dynamic kernel
+    selector_rank: int = Field(256, ge=1)  # dflash2: rank r of the selector's codebooks
+    selector_top_k: int = Field(16, ge=1)  # dflash2: unary candidates per slot the selector re-ranks
 
 
 class DataConfig(Section):
@@ -76,6 +83,8 @@ class LossConfig(Section):
     # Slots per chunk of the full-vocabulary loss (rounded down to whole blocks): bounds its
     # memory to a few [chunk_slots, V] fp32 tensors; 0 = the whole batch at once.
     chunk_slots: int = Field(512, ge=0)
+    # dflash2: weight of the selector's K-way candidate CE (slot-weighted like the terms)
+    selector_weight: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _some_loss(self):

@@ -269,6 +269,9 @@ def main(argv=None):
     require_free_output(out, args.overwrite)
     drafter, meta = load_drafter(args.checkpoint)
     cfg = drafter.config
+    if cfg.variant == "dflash2" and args.format == NATIVE:
+        raise UserError("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
+                        "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
     reports = read_reports(args.eval_report)
     verifier = args.verifier or (meta.get("target") or {}).get("name_or_path")
     if not verifier:

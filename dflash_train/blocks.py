@@ -24,6 +24,7 @@ class BlockOutputs:
     target_hidden: torch.Tensor  # [b, A, K, H], the target's final-normed state predicting the same tokens
     tokens: torch.Tensor  # [b, A, K], the data's token at each slot
     valid: torch.Tensor  # [b, A, K] bool
+    bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block (slot 0)
 
 
 def draw_anchors(batch: Batch, num_anchors: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +64,7 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
     hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool())  # [b, A*B, H]
     # slots 1..B-1, made contiguous: the LM head is then one matmul per chunk, not A small batched ones
     hidden = hidden.view(b, A, block_size, -1)[:, :, 1:].contiguous()
-    return BlockOutputs(hidden, t_hidden, tokens, valid)
+    return BlockOutputs(hidden, t_hidden, tokens, valid, block_ids[:, :, 0])
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],

@@ -8,6 +8,9 @@ their tapped hidden states extend the drafter's context cache. So all three meth
 measured by the same code, and each round is one target forward.
 
     result = decode(target, drafter, prompt_ids, method="ddtree", budget=64)
+
+A DFlash2 drafter drafts its chain as vLLM walks its candidate selector (`dflash2.selector_chain`:
+each slot re-ranks its unary top-K given the token drafted before it).
 """
 
 import time
@@ -17,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash_train.ddtree import DraftTree, accept_walk, build_tree, chain_tree, root_only_tree, tree_attention_mask
+from dflash_train.dflash2 import selector_chain
 from dflash_train.model import ContextCache, DFlashDrafter
 from dflash_train.target import Target, taps_from_hidden_states
 
@@ -64,14 +68,18 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
-    """One drafter pass on [bonus, MASK x (B-1)] at positions start..start+B-1 -> logits [B-1, V]."""
+def draft_hidden(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
+    """One drafter pass on [bonus, MASK x (B-1)] at positions start..start+B-1 -> hidden [B, H]."""
     B, device = drafter.config.block_size, target.embed.weight.device
     block = torch.full((1, B), drafter.config.mask_token_id, device=device)
     block[0, 0] = bonus
     positions = torch.arange(start, start + B, device=device)[None]
-    hidden = drafter.forward_cached(target.embed(block), positions, ctx)  # [1, B, H]
-    return target.lm_head(hidden[0, 1:])
+    return drafter.forward_cached(target.embed(block), positions, ctx)[0]  # [B, H]
+
+
+def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
+    """The block's (unary) logits [B-1, V] (slots 1..B-1)."""
+    return target.lm_head(draft_hidden(drafter, target, ctx, bonus, start)[1:])
 
 
 def verify(target: Target, cache: DynamicCache, tree: DraftTree, bonus: int, start: int, want_taps: bool):
@@ -127,9 +135,14 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
         if method == "ar":
             tree = root_only_tree()
         else:
-            draft_logits = draft_block(drafter, target, ctx, bonus, start)  # [B-1, V]
+            hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
+            draft_logits = target.lm_head(hidden[1:])  # [B-1, V]
+            if method == "dflash" and drafter.candidate_selector is not None:  # DFlash2: the selector walk
+                chain = selector_chain(drafter.candidate_selector, hidden[1:], draft_logits, bonus)
+            elif method == "dflash":
+                chain = draft_logits.argmax(-1)
             clock.lap("draft")
-            tree = build_tree(draft_logits, budget) if method == "ddtree" else chain_tree(draft_logits.argmax(-1))
+            tree = build_tree(draft_logits, budget) if method == "ddtree" else chain_tree(chain)
         clock.lap("tree")
 
         logits, hidden_states = verify(target, cache, tree, bonus, start, use_drafter)

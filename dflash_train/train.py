@@ -35,11 +35,12 @@ from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.blocks import anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
+from dflash_train.blocks import BlockOutputs, anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
 from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
                                      save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import collate, load_conversations
+from dflash_train.dflash2 import selector_loss
 from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
                                   gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
                                   make_accelerator, shards_itself, whole_model_loading)
@@ -88,7 +89,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    budgets, T, K = cfg.eval.ddtree_budgets, len(cfg.loss.terms), B - 1
+    budgets, T, K = cfg.eval.ddtree_budgets, len(term_names(cfg)), B - 1
     # loss and term numerators, the divisor, acceptance counts, tree counts: all summable
     totals = torch.zeros(1 + T + 1 + 3 * K + 2 + len(budgets) + 1, dtype=torch.float64)
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
@@ -100,8 +101,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
         with accelerator.autocast():
             o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id)
-            loss_sum, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
-                                      normalizer=1.0)
+            loss_sum, m = training_loss(o, target, model, cfg, normalizer=1.0)
             if not chunk:
                 continue
             # teacher-forced trees from the drafter's block distributions, a chunk of blocks at a time
@@ -120,9 +120,30 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     counts, tree = totals[2 + T : 2 + T + 3 * K + 2], totals[2 + T + 3 * K + 2 :]
     blocks = max(tree[-1].item(), 1.0)
     return {"loss": (totals[0] / divisor).item(),
-            "terms": {name: (totals[1 + t] / divisor).item() for t, name in enumerate(cfg.loss.terms)},
+            "terms": {name: (totals[1 + t] / divisor).item() for t, name in enumerate(term_names(cfg))},
             **acceptance_metrics(counts),
             "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)}}
+
+
+def term_names(cfg: RunConfig) -> list[str]:
+    """The reported loss terms: the recipe's, then DFlash2's selector CE."""
+    return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+
+
+def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
+    """The recipe's loss on the anchored blocks; for DFlash2 plus loss.selector_weight x the
+    selector's candidate CE (same slot weights and normaliser), reported as the term "selector",
+    and the chain's hits are the selector walk's (teacher-forced, dflash2.selector_loss)."""
+    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                          normalizer=normalizer)
+    if model.candidate_selector is None:
+        return loss, m
+    block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's tokens at slots 0..B-1
+    sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens, target.lm_head,
+                                    m["labels"], o.valid, cfg.loss, normalizer)
+    m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
+    m["correct"] = correct
+    return loss + cfg.loss.selector_weight * sel, m
 
 
 def prepare_output_dir(cfg: RunConfig, accelerator) -> Path | None:
@@ -288,8 +309,7 @@ def main(argv=None):
         for i, (batch, anchors, anchor_valid) in enumerate(micro):
             with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
                 o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cache)
-                loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
-                                      normalizer=normalizer)
+                loss, m = training_loss(o, target, accelerator.unwrap_model(drafter), cfg, normalizer)
                 accelerator.backward(loss)
             loss_sum += loss.item()
             terms = terms + m["terms"].double().cpu()
@@ -301,7 +321,7 @@ def main(argv=None):
         stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
         loss_sum, tokens = stats[0].item() / accelerator.num_processes, tokens + int(stats[1])
         counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
-        terms = {name: round(v, 6) for name, v in zip(cfg.loss.terms, terms.tolist())}
+        terms = {name: round(v, 6) for name, v in zip(term_names(cfg), terms.tolist())}
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
         lr = sched.get_last_lr()[0]  # the rate this step uses
         opt.step()

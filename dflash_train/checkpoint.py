@@ -61,19 +61,22 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dflash2_fields(m, tc.hidden_size),
+        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dflash2_fields(m, tc),
     )
 
 
-def dflash2_fields(m: ModelConfig, hidden_size: int) -> dict:
-    """The DFlash2 part of a DrafterConfig (its zero defaults for DFlash)."""
+def dflash2_fields(m: ModelConfig, tc) -> dict:
+    """The DFlash2 part of a DrafterConfig (its zero defaults for DFlash), checked against the
+    target's config `tc`."""
     if m.variant != "dflash2":
         return {}
-    if hidden_size % m.conv_group_size:
+    if tc.hidden_size % m.conv_group_size:
         raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden size "
-                        f"{hidden_size}")
+                        f"{tc.hidden_size}")
     if m.conv_kernel_size > m.block_size:
         raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size {m.block_size}")
+    if m.selector_top_k > tc.vocab_size:
+        raise UserError(f"model.selector_top_k {m.selector_top_k} exceeds the target's vocabulary ({tc.vocab_size})")
     return {"variant": "dflash2", "conv_kernel_size": m.conv_kernel_size, "conv_group_size": m.conv_group_size,
             "selector_rank": m.selector_rank, "selector_top_k": m.selector_top_k}
 

@@ -247,3 +247,20 @@ def test_chunked_selector_loss_equals_unchunked(setup, position_weight):
     for other in results[1:]:
         for x, y in zip(results[0], other):
             torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.conv_group_size=48", "does not divide the target's hidden size 128"),
+    ("model.conv_kernel_size=9", "exceeds model.block_size 8"),
+    ("model.selector_top_k=5000", "exceeds the target's vocabulary (1024)"),
+    ("loss.selector_weight=-1", "'loss.selector_weight'"),
+])
+def test_bad_dflash2_settings_are_one_line_errors(override, message, tmp_path, capsys):
+    from dflash_train.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main([f"output_dir={tmp_path / 'o'}", "model.variant=dflash2", override])
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]  # (transformers' load bar aside)
+    assert e.value.code == 2 and len(errors) == 1 and message in errors[0] and "Traceback" not in err, err
+    assert not (tmp_path / "o" / "final").exists()

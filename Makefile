@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/accelerate launch --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+	$(VENV)/bin/accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
 		dflash_train/train.py \
 		--recipe recipes/tiny.yaml output_dir=runs/demo overwrite=true
 	$(VENV)/bin/dflash-eval --drafter runs/demo/final --budgets 0,4,16,64,256 \

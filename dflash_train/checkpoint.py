@@ -9,18 +9,18 @@ Folders are written to a temporary sibling and renamed, so a reader never sees h
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_train.config import ModelConfig
 from dflash_train.errors import UserError
 from dflash_train.formats import drafter_config_from, read_config
 from dflash_train.model import DFlashDrafter, DrafterConfig
-from dflash_train.target import Target, build_target_layer_ids, check_tap_layers
+from dflash_train.outputs import match_umask, model_source, write_atomically
+from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, first_line
 
 FORMAT = "dflash-train"
 # Tensors a Speculators checkpoint may carry that belong to the verifier, not the drafter.
@@ -121,27 +121,6 @@ def check_matches_target(cfg: DrafterConfig, target: Target) -> None:
             raise UserError(f"drafter does not match target '{target.name_or_path}': {name} {mine} vs {theirs}")
 
 
-def require_free_output(out: Path, overwrite: bool) -> None:
-    """A CLI's --output must be absent or empty unless --overwrite is given."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise UserError(f"--output '{out}' is not empty (pass --overwrite to replace it)")
-
-
-def write_atomically(out: Path, write) -> None:
-    """Run write(tmp) on a temporary sibling folder, then rename it to `out`."""
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        write(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def write_drafter(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None,
                   state: dict | None = None) -> None:
     """`state` overrides drafter.state_dict(): under FSDP / ZeRO-3 the full weights come from
@@ -159,34 +138,42 @@ def write_drafter(folder: Path, drafter: DFlashDrafter, target: Target, recipe_y
 
 def save_drafter(out: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None,
                  state: dict | None = None) -> None:
-    write_atomically(out, lambda tmp: write_drafter(tmp, drafter, target, recipe_yaml, state))
+    write_atomically(out, lambda tmp: write_drafter(tmp, drafter, target, recipe_yaml, state), "drafter")
 
 
 def resolve_folder(path_or_id: str | Path) -> Path:
     """A local folder, or a Hub id fetched (safetensors and json only) into the Hub cache."""
-    path = Path(path_or_id)
-    if path.is_dir():
-        return path
-    if path.exists() or str(path_or_id).count("/") != 1:
-        raise UserError(f"'{path_or_id}' is not a drafter folder")
+    source = model_source(str(path_or_id), "drafter")
+    if Path(source).is_dir():
+        return Path(source)
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(str(path_or_id), allow_patterns=["*.json", "*.safetensors"]))
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
     except Exception as e:  # offline, missing, gated
-        raise UserError(f"'{path_or_id}' is not a local drafter folder and cannot be fetched from the Hub: "
+        raise UserError(f"drafter '{path_or_id}' is not a local folder and cannot be fetched from the Hub: "
                         f"{type(e).__name__}") from e
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:  # truncated, garbage, unreadable
+        raise UserError(f"'{path}' is not a readable safetensors file ({first_line(e)})") from None
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, or the shards listed in model.safetensors.index.json."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(folder / shard).items()}
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"'{index}' is not a safetensors index (no weight_map)") from e
+        return {k: v for shard in shards for k, v in read_safetensors(folder / shard).items()}
     if not (folder / "model.safetensors").is_file():
         raise UserError(f"'{folder}' is not a drafter folder (no model.safetensors)")
-    return load_file(folder / "model.safetensors")
+    return read_safetensors(folder / "model.safetensors")
 
 
 def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
@@ -237,6 +224,7 @@ def write_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recip
     write_drafter(folder, drafter, target, recipe_yaml, weights)
     torch.save(state, folder / "trainer_state.pt")
     (folder / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
+    match_umask(folder)  # safetensors writes 0600
 
 
 def newest_checkpoint(out: Path) -> Path | None:
@@ -247,4 +235,22 @@ def newest_checkpoint(out: Path) -> Path | None:
 
 def load_checkpoint(folder: Path) -> tuple[dict, dict]:
     """-> (drafter weights, trainer state). The state holds tensors, numbers and dicts only."""
-    return load_file(folder / "model.safetensors"), torch.load(folder / "trainer_state.pt", weights_only=True)
+    weights = read_safetensors(folder / "model.safetensors")
+    try:
+        state = torch.load(folder / "trainer_state.pt", weights_only=True)
+    except Exception as e:  # torch raises many types for a damaged pickle
+        raise UserError(f"checkpoint '{folder}' is damaged ({type(e).__name__}: {first_line(e)}): "
+                        "delete it to resume from the one before") from None
+    return weights, state
+
+
+def check_resumable(folder: Path, drafter: DFlashDrafter) -> None:
+    """A checkpoint resumes only into a drafter of its own shape (the target folder may have changed
+    since: another hidden size would fail deep inside load_state_dict)."""
+    saved, _ = drafter_config_from(read_config(folder))
+    for name, field in [("hidden size", "hidden_size"), ("vocabulary size", "vocab_size"),
+                        ("intermediate size", "intermediate_size"), ("layer count", "num_hidden_layers")]:
+        mine, theirs = getattr(drafter.config, field), getattr(saved, field)
+        if mine != theirs:
+            raise UserError(f"cannot resume from {folder}: it holds a drafter of {name} {theirs}, the target now "
+                            f"gives {mine} (the target changed since?)")

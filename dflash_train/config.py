@@ -13,8 +13,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_train.errors import UserError
+from dflash_train.outputs import resolve_input
 
-DEFAULT_RECIPE = "recipes/tiny.yaml"
+DEFAULT_RECIPE = "recipes/tiny.yaml"  # like every relative input: from the current folder, else the checkout
 # Keys that were replaced: an old recipe stops with one line naming the new key.
 REPLACED_KEYS = {
     "loss.ce_weight": "loss.terms (ce_weight: 1.0, kl_weight: 0.5 -> terms: {ce: 1.0, kl: 0.5})",
@@ -98,7 +99,7 @@ class TrainConfig(Section):
     grad_accum: int = Field(1, ge=1)  # micro-steps per optimizer step
     lr: float = Field(6e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)  # AdamW's
     warmup_ratio: float = Field(0.04, ge=0, lt=1)  # of max_steps, then cosine to 0
     clip_grad: float = Field(1.0, gt=0)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 where the GPU has it, else fp32
@@ -114,7 +115,7 @@ class EvalConfig(Section):
     max_samples: int | None = Field(None, ge=1)  # cap on held-out conversations
     # Teacher-forced DDTree acceptance at these tree budgets (tree from the drafter's block
     # distributions, walked along the target's tokens), to pick checkpoints per deployed budget.
-    ddtree_budgets: list[int] = [16, 64]
+    ddtree_budgets: list[Annotated[int, Field(ge=0)]] = [16, 64]
     ddtree_max_blocks: int = Field(2000, ge=1)  # blocks per process scored with trees (CPU heap work)
 
 
@@ -168,10 +169,11 @@ def apply_override(tree: dict, override: str) -> None:
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     path = Path(path or DEFAULT_RECIPE)
-    if not path.is_file():
+    file = Path(resolve_input(str(path)))
+    if not file.is_file():
         raise UserError(f"recipe '{path}' not found")
     try:
-        tree = yaml.safe_load(path.read_text()) or {}
+        tree = yaml.safe_load(file.read_text()) or {}
     except yaml.YAMLError as e:
         raise UserError(f"recipe '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
     if not isinstance(tree, dict):

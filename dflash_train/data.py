@@ -6,6 +6,7 @@ in the text, and the tokens from the reply's start through the template's end-of
 supervised, checked against the tokenizer's offsets.
 """
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,10 +14,29 @@ from pathlib import Path
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, load_from_disk
+from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 from transformers import PreTrainedTokenizerBase
 
 from dflash_train import prepare
 from dflash_train.errors import UserError
+
+
+def check_data_path(path: str) -> None:
+    """Cheap, before the target is loaded: the data is there."""
+    if not Path(path).exists():
+        raise UserError(f"data file '{path}' not found")
+
+
+@contextlib.contextmanager
+def quiet_datasets():
+    """No datasets progress bars (its Filter / Flattening bars would print on every run)."""
+    was_quiet = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_quiet:
+            enable_progress_bars()
 
 
 def load_conversations(path: str, tokenizer: PreTrainedTokenizerBase, max_length: int) -> Dataset:
@@ -26,17 +46,17 @@ def load_conversations(path: str, tokenizer: PreTrainedTokenizerBase, max_length
     dataset with input_ids/loss_mask columns), or a jsonl of {"messages": [...]} rows masked by the
     same code as dflash-prepare (`prepare.encode_conversations`)."""
     p = Path(path)
+    check_data_path(path)
     if p.is_dir():
         ds = _load_prepared(p, tokenizer)
         longest = pc.max(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0
         if longest > max_length:  # in memory: never write cache files into the prepared folder
             ds = ds.map(lambda r: {"input_ids": r["input_ids"][:max_length], "loss_mask": r["loss_mask"][:max_length]},
                         keep_in_memory=True, desc=f"cutting {p.name} to {max_length} tokens")
-    elif p.is_file():
-        ds = _tokenize_jsonl(p, tokenizer, max_length)
     else:
-        raise UserError(f"data file '{path}' not found")
-    ds = ds.filter(lambda r: sum(r["loss_mask"]) >= 2, keep_in_memory=True)
+        ds = _tokenize_jsonl(p, tokenizer, max_length)
+    with quiet_datasets():  # flattened here, so adding a column later needs no pass of its own
+        ds = ds.filter(lambda r: sum(r["loss_mask"]) >= 2, keep_in_memory=True).flatten_indices(keep_in_memory=True)
     if len(ds) == 0:
         raise UserError(f"data file '{path}' has no conversation with assistant tokens")
     return ds

@@ -1,6 +1,11 @@
-"""User-facing errors: one line on stderr, exit code 2, no traceback (see cli_guard)."""
+"""User-facing errors: one line on stderr, exit code 2, no traceback (see cli_guard).
+
+Under a launcher (torchrun, `accelerate launch --multi_gpu`) every process meets the same bad
+input; only the first process of each machine (LOCAL_RANK 0) prints the line, all exit 2.
+"""
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from functools import wraps
@@ -10,16 +15,30 @@ class UserError(Exception):
     """Bad input from the user (recipe, paths, data, flags). The message is one line."""
 
 
+class Interrupted(Exception):
+    """Ctrl-C, with what to do next ("interrupted at step 7; rerun the same command to ...")."""
+
+
+def say(line: str) -> None:
+    """Print one line to stderr, once per machine under a multi-process launcher."""
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        print(line, file=sys.stderr, flush=True)
+
+
 def cli_guard(main: Callable) -> Callable:
-    """Turn a UserError into `error: <message>` on stderr and exit code 2."""
+    """A UserError -> `error: <message>` on stderr and exit code 2; Ctrl-C -> one line and exit code 130."""
 
     @wraps(main)
     def wrapped(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr)
+            say(f"error: {e}")
             sys.exit(2)
+        except (Interrupted, KeyboardInterrupt) as e:
+            # a newline first: a progress bar may have been cut mid-line
+            say("\n" + (str(e) if isinstance(e, Interrupted) else "interrupted"))
+            sys.exit(130)
 
     return wrapped
 
@@ -28,5 +47,5 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     """argparse, but a usage error is one `error:` line and exit code 2 (no usage dump)."""
 
     def error(self, message: str):
-        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        say(f"error: {self.prog}: {message}")
         sys.exit(2)

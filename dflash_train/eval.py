@@ -17,7 +17,6 @@ and PNG plots to --output.
 import json
 import math
 import platform
-import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -30,12 +29,12 @@ import transformers
 from tqdm.auto import tqdm
 
 from dflash_train import speed
-from dflash_train.checkpoint import (check_matches_target, drafter_fingerprint, load_drafter, require_free_output,
-                                     write_atomically)
+from dflash_train.checkpoint import check_matches_target, drafter_fingerprint, load_drafter
 from dflash_train.costs import measure_costs
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.outputs import require_free_output, write_atomically
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.report import write_report
 from dflash_train.suites import DEFAULT_SUITE, Prompt, load_suite
@@ -355,7 +354,8 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.output)
-    require_free_output(out, args.overwrite)
+    require_free_output(out, args.overwrite, "eval", [("--drafter", args.drafter), ("--target", args.target),
+                                                      ("--verify-times", args.verify_times)])
     device_costs = read_device_costs(args.verify_times)
     suites = [load_suite(s, args.limit) for s in (args.suite or [DEFAULT_SUITE])]  # before the target: cheap
 
@@ -386,9 +386,7 @@ def main(argv=None):
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
                    "target_layer_ids": drafter.config.target_layer_ids, "hardware": hardware_record(device)})
-    if out.exists() and args.overwrite:
-        shutil.rmtree(out)
-    write_atomically(out, lambda tmp: write_report(tmp, report))
+    write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())
 
 

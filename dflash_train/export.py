@@ -12,21 +12,22 @@ the SHA-256 of its weights), checked against the drafter, and named in config.js
 
 import json
 import re
-import shutil
 import sys
 from pathlib import Path
 
 import yaml
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_train.checkpoint import (count_parameters, load_drafter, mask_token_text, require_free_output, resolve_folder,
-                                     write_atomically)
+from dflash_train.checkpoint import count_parameters, drafter_fingerprint, load_drafter, mask_token_text, resolve_folder
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
+from dflash_train.outputs import MARKER, model_source, require_free_output, write_atomically
 from dflash_train.speed import verdict_text
-from dflash_train.target import check_tap_layers, resolve_pin
+from dflash_train.target import LOAD_ERRORS, check_tap_layers, first_line, model_identity, resolve_pin
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "export" / "model_card_template.md"
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -34,12 +35,13 @@ HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 # --- the verifier: check and pin ---------------------------------------------------------------
 
-def load_verifier(verifier: str, revision: str | None, trust_remote_code: bool):
+def load_verifier(source: str, revision: str | None, trust_remote_code: bool):
+    """config and tokenizer of the verifier (a local folder's absolute path or a Hub id)."""
     try:
-        config = AutoConfig.from_pretrained(verifier, revision=revision, trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(verifier, revision=revision, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
-        raise UserError(f"cannot load verifier '{verifier}': {str(e).strip().splitlines()[0]}") from e
+        config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot load verifier '{source}': {first_line(e)}") from e
     return config, tokenizer
 
 
@@ -83,6 +85,28 @@ def read_reports(paths: list[str]) -> list[dict]:
         rep["_path"] = str(p)
         reports.append(rep)
     return reports
+
+
+def check_reports(reports: list[dict], drafter, verifier: str, revision: str | None) -> None:
+    """A report goes into the card only if it measured this very drafter (its tensors' fingerprint),
+    at its block size, against this verifier."""
+    fingerprint, B = drafter_fingerprint(drafter), drafter.config.block_size
+    mine = model_identity(verifier, revision)
+    for rep in reports:
+        where = f"eval report '{rep['_path']}'"
+        if not rep.get("drafter_fingerprint"):
+            raise UserError(f"{where} has no drafter_fingerprint (written by an older dflash-eval), so it cannot be "
+                            "matched to this checkpoint: evaluate the checkpoint again")
+        if rep["drafter_fingerprint"] != fingerprint:
+            raise UserError(f"{where} measured another drafter (fingerprint {rep['drafter_fingerprint'][:12]}, this "
+                            f"checkpoint's is {fingerprint[:12]})")
+        if rep.get("block_size") != B:
+            raise UserError(f"{where} was measured at block size {rep.get('block_size')}, this checkpoint has {B}")
+        theirs = model_identity(str(rep.get("target")), rep.get("target_revision"))
+        if theirs[0] != mine[0] or (None not in (theirs[1], mine[1]) and theirs[1] != mine[1]):
+            raise UserError(f"{where} was measured against target '{rep.get('target')}'"
+                            f"{' @ ' + theirs[1] if theirs[1] else ''}, not the verifier '{verifier}'"
+                            f"{' @ ' + mine[1] if mine[1] else ''}: evaluate against the verifier")
 
 
 def _speedup_cell(r: dict) -> str:
@@ -223,7 +247,7 @@ def write_export(tmp: Path, fmt: str, drafter, cfg, pin, vconfig, mask_token, ca
 
 
 def push(out: Path, repo: str, private: bool, dry_run: bool) -> None:
-    files = sorted(p for p in out.rglob("*") if p.is_file())
+    files = sorted(p for p in out.rglob("*") if p.is_file() and p.name != MARKER)
     if dry_run:
         print(f"dry run: would create {'private' if private else 'public'} model repo '{repo}' and upload "
               f"{len(files)} files:")
@@ -233,7 +257,7 @@ def push(out: Path, repo: str, private: bool, dry_run: bool) -> None:
     api = HfApi()  # token from HF_TOKEN or the cached login; never printed
     try:
         api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
-        info = api.upload_folder(folder_path=str(out), repo_id=repo, repo_type="model",
+        info = api.upload_folder(folder_path=str(out), repo_id=repo, repo_type="model", ignore_patterns=[MARKER],
                                  commit_message="Upload DFlash drafter (dflash-export)")
     except Exception as e:  # auth, network, permissions: one line, no token
         raise UserError(f"push to '{repo}' failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}") from e
@@ -259,6 +283,11 @@ def parse_args(argv):
         p.error(f"unknown --format '{args.format}' (choose speculators or dflash)")
     if (args.private or args.dry_run) and not args.push_to_hub:
         p.error("--private and --dry-run go with --push-to-hub")
+    if args.push_to_hub:
+        try:
+            validate_repo_id(args.push_to_hub)
+        except HFValidationError as e:
+            p.error(f"--push-to-hub '{args.push_to_hub}' is not a Hub repo id: {first_line(e)}")
     return args
 
 
@@ -266,32 +295,34 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.output)
-    require_free_output(out, args.overwrite)
+    inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier),
+              *[("--eval-report", r) for r in args.eval_report]]
+    require_free_output(out, args.overwrite, "export", inputs)
+    reports = read_reports(args.eval_report)
     drafter, meta = load_drafter(args.checkpoint)
     cfg = drafter.config
     if cfg.variant == "dflash2" and args.format == NATIVE:
         raise UserError("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
                         "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
-    reports = read_reports(args.eval_report)
     verifier = args.verifier or (meta.get("target") or {}).get("name_or_path")
     if not verifier:
         raise UserError("the checkpoint does not name its verifier: pass --verifier")
     revision = args.verifier_revision or (None if args.verifier else (meta.get("target") or {}).get("revision"))
-    vconfig, vtokenizer = load_verifier(verifier, revision, args.trust_remote_code)
+    check_reports(reports, drafter, verifier, revision)
+    source = model_source(verifier, "verifier")
+    vconfig, vtokenizer = load_verifier(source, revision, args.trust_remote_code)
     mask_token = check_verifier(cfg, meta.get("mask_token"), vconfig, vtokenizer, verifier)
     if cfg.num_target_layers is None:  # imported without it: the verifier says
         cfg.num_target_layers = vconfig.num_hidden_layers
-    pin = resolve_pin(verifier, revision)
+    pin = resolve_pin(source, revision)
     folder = resolve_folder(args.checkpoint)
     recipe_file = folder / "recipe.yaml"
     recipe_text = recipe_file.read_text() if recipe_file.is_file() else None
     card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
                       meta["format"], args.push_to_hub or str(out), args.license)
 
-    if out.exists() and args.overwrite:
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
     write_atomically(out, lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
-                                                   recipe_text, reports))
+                                                   recipe_text, reports), "export")
     print(f"exported {args.format} drafter to {out} (verifier {verifier}, {pin_text(pin)})")
     if args.push_to_hub:
         push(out, args.push_to_hub, args.private, args.dry_run)

@@ -16,6 +16,7 @@ tensor) halves that again; float32 is exact.
 import hashlib
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -24,8 +25,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from dflash_train.data import load_conversations
-from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.data import check_data_path, load_conversations
+from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
+from dflash_train.outputs import match_umask, require_free_output, sibling, write_marker
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin, target_forward
 
@@ -78,8 +80,10 @@ def _write_json(path: Path, obj: dict) -> None:
 
 @torch.no_grad()
 def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str = "bfloat16",
-                shard_rows: int = 256, batch_size: int = 8) -> dict:
-    """Compute and store the states of every row of `ds`; resumes from complete shards in `out`."""
+                shard_rows: int = 256, batch_size: int = 8, overwrite: bool = False) -> dict:
+    """Compute and store the states of every row of `ds`; resumes from complete shards in `out`.
+    A complete cache for the same settings is left as it is. `overwrite` replaces a cache made
+    with other settings (moved aside, deleted once the new one is started)."""
     check_tap_layers(layer_ids, target.num_layers)
     H = target.model.config.hidden_size
     lengths = [len(ids) for ids in ds["input_ids"]]
@@ -87,12 +91,27 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
             "target_layer_ids": list(layer_ids), "hidden_size": H, "dtype": dtype,
             "rows": len(ds), "tokens": sum(lengths), "bytes_per_token": bytes_per_token(len(layer_ids), H, dtype),
             "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows}
+    old = None
+    if (out / MANIFEST).exists() or (out / PARTIAL).exists():
+        found = json.loads(((out / MANIFEST) if (out / MANIFEST).exists() else (out / PARTIAL)).read_text())
+        same = {k: v for k, v in found.items() if k in head} == head
+        if same and (out / MANIFEST).exists() and not overwrite:
+            print(f"hidden-state cache '{out}' is already complete ({found['rows']} rows, {found['tokens']:,} tokens): "
+                  "nothing to do", file=sys.stderr)
+            return found
+        if not same and not overwrite:
+            raise UserError(f"'{out}' holds a {'complete' if (out / MANIFEST).exists() else 'partial'} cache for other "
+                            "settings (target, taps, dtype, shard rows or data): pass --overwrite to replace it")
+        if overwrite:
+            old = sibling(out, "old")
+            os.replace(out, old)
     out.mkdir(parents=True, exist_ok=True)
-    if (out / MANIFEST).exists():
-        raise UserError(f"hidden-state cache '{out}' is already complete")
+    write_marker(out, "cache")
+    if old is not None:
+        shutil.rmtree(old)
+    for stale in out.glob(".shard_*.tmp"):  # cut off by an interruption
+        stale.unlink()
     partial = json.loads((out / PARTIAL).read_text()) if (out / PARTIAL).exists() else None
-    if partial and {k: v for k, v in partial.items() if k != "shards"} != head:
-        raise UserError(f"'{out}' holds a partial cache for other settings (target, taps, dtype or data)")
     done = {s["file"]: s for s in (partial or {}).get("shards", [])
             if (out / s["file"]).is_file() and _sha256(out / s["file"]) == s["sha256"]}
     print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} bytes/token "
@@ -125,6 +144,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
                         tensors[f"{key}.{r}{suffix}"] = t
         tmp = out / f".{name}.tmp"
         save_file(tensors, tmp)
+        match_umask(tmp)  # safetensors writes 0600
         os.replace(tmp, out / name)  # a shard is either absent or complete
         shards.append({"file": name, "rows": [lo, hi], "tokens": sum(lengths[lo:hi]), "sha256": _sha256(out / name)})
         _write_json(out / PARTIAL, {**head, "shards": shards})
@@ -132,6 +152,14 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
     _write_json(out / MANIFEST, manifest)
     (out / PARTIAL).unlink(missing_ok=True)
     return manifest
+
+
+def shards_done(out: Path) -> int:
+    """Complete shards of a partial cache (its manifest lists them)."""
+    try:
+        return len(json.loads((out / PARTIAL).read_text())["shards"])
+    except (OSError, ValueError, KeyError):
+        return 0
 
 
 class HiddenStateCache:
@@ -156,12 +184,16 @@ class HiddenStateCache:
         return pad(taps).to(device, dtype), pad(last).to(device, dtype)
 
 
-def open_cache(path: str | Path, target: Target, layer_ids: list[int], ds) -> HiddenStateCache:
-    """Open a cache for training; refuse one made for another target, tap set or dataset."""
-    path = Path(path)
+def check_complete(path: Path) -> None:
     if not (path / MANIFEST).is_file():
         hint = " (its build did not finish: rerun dflash-cache to resume)" if (path / PARTIAL).is_file() else ""
         raise UserError(f"'{path}' is not a complete hidden-state cache{hint}")
+
+
+def open_cache(path: str | Path, target: Target, layer_ids: list[int], ds) -> HiddenStateCache:
+    """Open a cache for training; refuse one made for another target, tap set or dataset."""
+    path = Path(path)
+    check_complete(path)
     m = json.loads((path / MANIFEST).read_text())
     pin = resolve_pin(target.name_or_path, target.revision)
     mine = {k: v for k, v in pin.items() if k != "name_or_path"}
@@ -182,6 +214,7 @@ def parse_args(argv):
     p.add_argument("--target", required=True)
     p.add_argument("--target-revision", default=None)
     p.add_argument("--output", required=True)
+    p.add_argument("--overwrite", action="store_true", help="replace a cache made with other settings")
     p.add_argument("--target-layer-ids", default=None, help="comma-separated taps (z-lab ids); default: DFlash's rule")
     p.add_argument("--num-draft-layers", type=int, default=2, help="for the default taps: one per drafter layer")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -189,31 +222,41 @@ def parse_args(argv):
     p.add_argument("--shard-rows", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", default="auto")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ["shard_rows", "batch_size", "max_length", "num_draft_layers"]:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.target_layer_ids is not None:
+        try:
+            args.target_layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
+        except ValueError:
+            p.error(f"--target-layer-ids must be comma-separated integers, got '{args.target_layer_ids}'")
+    return args
 
 
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    out = Path(args.output)
+    # A cache of ours is resumed, or kept when complete, without --overwrite (build_cache decides)
+    require_free_output(out, True, "cache", [("--data", args.data), ("--target", args.target)])
+    check_data_path(args.data)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     target = load_target(args.target, revision=args.target_revision, device=device,
                          dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
-    if args.target_layer_ids:
-        try:
-            layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
-        except ValueError:
-            raise UserError(f"--target-layer-ids must be comma-separated integers, got '{args.target_layer_ids}'") from None
-    else:
-        layer_ids = build_target_layer_ids(target.num_layers, args.num_draft_layers)
+    layer_ids = args.target_layer_ids or build_target_layer_ids(target.num_layers, args.num_draft_layers)
     check_tap_layers(layer_ids, target.num_layers)
     ds = load_conversations(args.data, target.tokenizer, args.max_length)
-    out = Path(args.output)
-    if out.exists() and not (out / PARTIAL).exists() and any(out.iterdir()):
-        raise UserError(f"--output '{out}' is not empty and holds no partial cache to resume")
-    m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size)
-    print(f"wrote {len(m['shards'])} shard(s), {m['bytes_on_disk']:,} bytes for {m['tokens']:,} tokens "
-          f"({m['bytes_on_disk'] / m['tokens']:.0f} bytes/token on disk) to {out}")
+    try:
+        m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size, args.overwrite)
+    except KeyboardInterrupt:
+        m = None
+    if m is None:  # outside the except block, so the progress bar has closed before our line
+        raise Interrupted(f"interrupted with {shards_done(out)} of {-(-len(ds) // args.shard_rows)} shards done; rerun "
+                          "the same command to resume")
+    print(f"{len(m['shards'])} shard(s), {m.get('bytes_on_disk', 0):,} bytes for {m['tokens']:,} tokens "
+          f"({m.get('bytes_on_disk', 0) / m['tokens']:.0f} bytes/token on disk) in {out}")
 
 
 if __name__ == "__main__":

@@ -56,10 +56,10 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from dflash_train import regenerate as regen
-from dflash_train.checkpoint import require_free_output, write_atomically
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.outputs import model_source, require_free_output, resolve_input, write_atomically
 from dflash_train.progress import BAR_INTERVAL
-from dflash_train.target import load_target
+from dflash_train.target import LOAD_ERRORS, first_line, load_target
 
 FORMATS = {  # format -> (messages field, role field, content field)
     "messages": ("messages", "role", "content"),
@@ -425,9 +425,8 @@ def load_tokenizer(args):
     try:
         return AutoTokenizer.from_pretrained(args.target, revision=args.target_revision,
                                              trust_remote_code=args.trust_remote_code)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load the tokenizer of target '{args.target}': {first}") from None
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot load the tokenizer of target '{args.target}': {first_line(e)}") from None
 
 
 def run_regeneration(args, tokenizer, conversations, eot: str, out: Path):
@@ -456,7 +455,8 @@ def run_regeneration(args, tokenizer, conversations, eot: str, out: Path):
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.output)
-    require_free_output(out, args.overwrite)
+    require_free_output(out, args.overwrite, "prepare", [("--input", args.input), ("--target", args.target)])
+    args.input, args.target = resolve_input(args.input), model_source(args.target, "target")
     if args.regenerate and args.backend == "vllm":
         regen.import_vllm()  # fail before reading anything
     elif args.backend == "vllm":
@@ -528,7 +528,7 @@ def main(argv=None):
                     f.write(json.dumps({"messages": messages}) + "\n")
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
-    write_atomically(out, write)
+    write_atomically(out, write, "prepare")
     if work is not None:
         shutil.rmtree(work, ignore_errors=True)  # finished: nothing left to resume
     parts = f"train {len(train_idx)} / val {len(val_idx)}" if val_size else f"{n} rows"

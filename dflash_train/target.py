@@ -13,10 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
 from dflash_train.errors import UserError
+from dflash_train.outputs import model_source, resolve_input
 
 SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})")
 
@@ -63,20 +67,43 @@ class Target:
         return self.model.get_output_embeddings()
 
 
+def first_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# What transformers raises for a folder or Hub repo that is not a loadable model: missing files,
+# a config it cannot parse or validate, a damaged safetensors file.
+LOAD_ERRORS = (OSError, ValueError, StrictDataclassError, SafetensorError)
+
+
 def load_target(name_or_path: str, *, revision: str | None = None, dtype: torch.dtype = torch.float32,
                 device: str | torch.device = "cpu", trust_remote_code: bool = False) -> Target:
-    """Load a causal LM and its tokenizer, safetensors only, frozen."""
+    """Load a causal LM and its tokenizer, safetensors only, frozen. A local folder is recorded by its
+    absolute path, a Hub id as given. A target whose weights do not fill its config exactly (missing,
+    unexpected or mis-shaped tensors) is refused: transformers would initialise the gaps at random
+    and only warn, and a drafter trained against that is worthless."""
+    source = model_source(name_or_path, "target")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path, revision=revision,
-                                                  trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(
-            name_or_path, revision=revision, dtype=dtype, use_safetensors=True,
-            trust_remote_code=trust_remote_code, attn_implementation="sdpa")
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"cannot load target '{name_or_path}': {first}") from e
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # its load report is a table; ours is the line below
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                source, revision=revision, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+                attn_implementation="sdpa", output_loading_info=True, ignore_mismatched_sizes=True)
+        finally:
+            hf_logging.set_verbosity(verbosity)
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot load target '{name_or_path}': {first_line(e)}") from e
+    bad = [(what, sorted(k if isinstance(k, str) else k[0] for k in info[key]))
+           for what, key in [("missing", "missing_keys"), ("unexpected", "unexpected_keys"),
+                             ("of the wrong shape", "mismatched_keys")] if info[key]]
+    if bad:
+        detail = "; ".join(f"{len(keys)} {what} (e.g. {keys[0]})" for what, keys in bad)
+        raise UserError(f"target '{name_or_path}': its weights do not match its config.json: {detail}")
     model.to(device).eval().requires_grad_(False)
-    return Target(model, tokenizer, name_or_path, revision)
+    return Target(model, tokenizer, source, revision)
 
 
 def taps_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:
@@ -92,6 +119,16 @@ def target_forward(target: Target, input_ids: torch.Tensor, attention_mask: torc
     out = target.model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
                                      output_hidden_states=True, use_cache=False)
     return taps_from_hidden_states(out.hidden_states, layer_ids), out.last_hidden_state
+
+
+def model_identity(name_or_path: str, revision: str | None) -> tuple[str, str | None]:
+    """(name, revision) to tell whether two mentions are the same model, without reading weights:
+    a Hub cache snapshot folder is its repo id at its commit, another local folder its absolute path."""
+    local = resolve_input(name_or_path)
+    if Path(local).is_dir():
+        m = SNAPSHOT.search(local)
+        return (f"{m['org']}/{m['name']}", m["sha"]) if m else (local, None)
+    return name_or_path, revision
 
 
 def resolve_pin(verifier: str, revision: str | None) -> dict:

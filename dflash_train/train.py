@@ -26,6 +26,7 @@ import os
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -36,24 +37,29 @@ from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
 from dflash_train.blocks import BlockOutputs, anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
-from dflash_train.checkpoint import (count_parameters, init_drafter, load_checkpoint, newest_checkpoint,
-                                     save_drafter, write_checkpoint)
+from dflash_train.checkpoint import (check_resumable, count_parameters, init_drafter, load_checkpoint,
+                                     newest_checkpoint, save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
-from dflash_train.data import collate, load_conversations
+from dflash_train.data import check_data_path, collate, load_conversations
 from dflash_train.dflash2 import selector_loss
 from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
                                   gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
                                   make_accelerator, shards_itself, whole_model_loading)
-from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.hs_cache import open_cache
+from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
+from dflash_train.hs_cache import check_complete, open_cache
 from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, loss_divisor
+from dflash_train.outputs import (KINDS, MARKER, check_folder_path, is_empty, marker_kind, model_source,
+                                  refuse_overlap, resolve_input, sibling, write_marker)
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target
 
 DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
-# Recipe keys that may change between a run and its resumption (they do not affect the math).
+# Recipe keys that may change between a run and its resumption (they do not affect the math; a run
+# folder may be moved or copied).
 RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb"}
+# Recipe keys naming inputs: compared as resolved paths, so data/x and ./data/x/ are the same input.
+PATH_KEYS = {"model.target", "model.init_from", "data.train", "data.val", "data.hidden_state_cache"}
 
 
 class EpochSampler(Sampler):
@@ -95,7 +101,8 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
-    for i in range(0, -(-len(val_ds) // accelerator.num_processes), bs):
+    for i in tqdm(range(0, -(-len(val_ds) // accelerator.num_processes), bs), desc="validate", leave=False, position=0,
+                  disable=not accelerator.is_main_process, dynamic_ncols=True, mininterval=BAR_INTERVAL):
         chunk = rows[i : i + bs]
         batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
@@ -146,27 +153,100 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) ->
     return loss + cfg.loss.selector_weight * sel, m
 
 
-def prepare_output_dir(cfg: RunConfig, accelerator) -> Path | None:
-    """Start fresh (empty or overwrite=true) or return the checkpoint to resume from."""
+def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
+    """Local inputs -> absolute paths (from the current folder, else the checkout: the bundled target
+    and data), checked to be there before anything is loaded; Hub ids stay ids. The recipe saved
+    with the drafter then names its target and data from any folder."""
+    m, d = cfg.model, cfg.data
+    m.target = model_source(m.target, "model.target")
+    if m.init_from is not None:
+        m.init_from = model_source(m.init_from, "model.init_from")
+    d.train, d.val = resolve_input(d.train), resolve_input(d.val)
+    check_data_path(d.train)
+    check_data_path(d.val)
+    if d.hidden_state_cache is not None:
+        d.hidden_state_cache = resolve_input(d.hidden_state_cache)
+        check_complete(Path(d.hidden_state_cache))
+    return cfg
+
+
+@dataclass
+class OutputPlan:
+    resume: Path | None  # the checkpoint to resume from
+    replace: bool  # output_dir holds an earlier run of ours, deleted once the new run is set up
+    note: str | None  # what happens to output_dir, said at the start
+
+
+def describe_run(out: Path) -> str:
+    """What deleting a run folder loses, e.g. "3 checkpoints up to step 9, final/, metrics.jsonl"."""
+    steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit())
+    parts = [f"{len(steps)} checkpoint{'s' * (len(steps) != 1)} up to step {steps[-1]}"] if steps else []
+    parts += sorted(p.name + "/" * p.is_dir() for p in out.iterdir() if p.name not in (MARKER, "checkpoints"))
+    return ", ".join(parts) or "nothing"
+
+
+def plan_output_dir(cfg: RunConfig) -> OutputPlan:
+    """Decide what becomes of output_dir, before anything is loaded or written: start in an empty
+    one, resume from its newest checkpoint, start again a run of ours that stopped before its first
+    checkpoint, or (overwrite=true) replace a run of ours. Anything else is refused."""
     out = Path(cfg.output_dir)
-    resume = None
-    if out.exists() and any(out.iterdir()):
-        if cfg.overwrite:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                shutil.rmtree(out)
-        elif (out / "summary.json").is_file():
-            raise UserError(f"output_dir '{out}' holds a finished run (pass overwrite=true to replace it)")
-        else:
-            resume = newest_checkpoint(out)
-            if resume is None:
-                raise UserError(f"output_dir '{out}' is not empty and holds no checkpoint to resume "
-                                "(pass overwrite=true to replace it)")
-            check_same_recipe(yaml.safe_load((resume / "recipe.yaml").read_text()), cfg, resume)
+    check_folder_path(out, "output_dir")
+    m, d = cfg.model, cfg.data
+    refuse_overlap(out, [("model.target", m.target), ("model.init_from", m.init_from), ("data.train", d.train),
+                         ("data.val", d.val), ("data.hidden_state_cache", d.hidden_state_cache)], "output_dir")
+    if is_empty(out):
+        return OutputPlan(None, False, None)
+    kind, newest = marker_kind(out), newest_checkpoint(out)
+    if kind not in (None, "train"):
+        raise UserError(f"output_dir '{out}' holds {KINDS.get(kind, kind)}, not a training run: "
+                        "choose another output_dir")
+    if kind is None and newest is None:  # checkpoints are ours even in a folder from before the marker
+        raise UserError(f"output_dir '{out}' is not empty and was not written by dflash-train (no {MARKER}): "
+                        "choose another output_dir, or empty it yourself")
+    what = describe_run(out)
+    if cfg.overwrite:
+        if kind is None:
+            raise UserError(f"output_dir '{out}' has no {MARKER} (written before dflash-train marked its runs), so "
+                            "overwrite=true will not delete it: delete it yourself, or choose another output_dir")
+        return OutputPlan(None, True, f"overwrite=true: the run in '{out}' ({what}) is deleted once the new run "
+                                      "is set up")
+    if (out / "summary.json").is_file():
+        raise UserError(f"output_dir '{out}' holds a finished run: overwrite=true deletes it ({what}), "
+                        "or choose another output_dir")
+    if newest is None:
+        return OutputPlan(None, True, f"output_dir '{out}' holds a run stopped before its first checkpoint "
+                                      f"({what}): starting it again")
+    check_same_recipe(yaml.safe_load((newest / "recipe.yaml").read_text()), cfg, newest, what)
+    return OutputPlan(newest, False, None)
+
+
+def open_output_dir(out: Path, plan: OutputPlan, accelerator) -> None:
+    """Once everything is loaded and checked: move an earlier run aside, mark the folder as ours,
+    then delete the earlier run."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
+        old = sibling(out, "old") if plan.replace else None
+        if old is not None:
+            os.replace(out, old)
         out.mkdir(parents=True, exist_ok=True)
-    return resume
+        write_marker(out, "train")
+        if old is not None:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def interrupted_line(cfg: RunConfig) -> str:
+    """After Ctrl-C: the last step done (metrics.jsonl) and the step a rerun resumes from."""
+    out = Path(cfg.output_dir)
+    try:
+        at = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    except (OSError, IndexError, ValueError, KeyError):
+        at = 0
+    newest = newest_checkpoint(out) if out.is_dir() else None
+    rerun = "rerun it without overwrite=true" if cfg.overwrite else "rerun the same command"
+    if newest is None:
+        return f"interrupted at step {at}; {rerun} to start again from step 0 (no checkpoint yet)"
+    return f"interrupted at step {at}; {rerun} to resume from step {int(newest.name[5:])}"
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:
@@ -176,12 +256,19 @@ def _flat(tree: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_same_recipe(saved: dict, cfg: RunConfig, where: Path) -> None:
+def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> None:
     now, before = _flat(cfg.model_dump(mode="json")), _flat(saved)
-    changed = [k for k in now if k.split(".")[0] not in RESUMABLE_CHANGES and now[k] != before.get(k)]
+
+    def same(k: str) -> bool:
+        if k in PATH_KEYS and isinstance(now[k], str) and isinstance(before.get(k), str):
+            return resolve_input(now[k]) == resolve_input(before[k])
+        return now[k] == before.get(k)
+
+    changed = [k for k in now if k.split(".")[0] not in RESUMABLE_CHANGES and not same(k)]
     if changed:
-        raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); "
-                        "use the same recipe, or overwrite=true / a new output_dir")
+        raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); rerun with the same "
+                        f"recipe to resume, choose another output_dir, or pass overwrite=true to delete this run "
+                        f"({what})")
 
 
 def choose_precision(cfg: RunConfig) -> str:
@@ -202,14 +289,29 @@ def parse_args(argv):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg = resolve_recipe_paths(load_recipe(args.recipe, args.overrides))
+    try:
+        return train(cfg)
+    except KeyboardInterrupt:
+        pass
+    # Raised outside the except block, so the interrupted frames are freed first: their progress
+    # bars close (print their last state) before our line, which comes last.
+    raise Interrupted(interrupted_line(cfg))
+
+
+def train(cfg: RunConfig) -> None:
+    plan = plan_output_dir(cfg)  # before anything is loaded: a refusal costs nothing
     precision = choose_precision(cfg)
+    if not torch.cuda.is_available():  # else DeepSpeed (imported by accelerate) warns on every CPU run
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     engine = launched_engine()  # single, ddp, fsdp or deepspeed (engines.py)
     accelerator = make_accelerator(engine, precision, "wandb" if cfg.wandb.enabled else None)
     if engine == "deepspeed":
         configure_deepspeed(accelerator, cfg.train.clip_grad, cfg.train.grad_accum)
-    resume = prepare_output_dir(cfg, accelerator)
+    resume = plan.resume
     out = Path(cfg.output_dir)
+    if plan.note:
+        accelerator.print(plan.note)
     torch.manual_seed(cfg.seed)  # the drafter's initial weights
 
     # --- target, drafter, data -------------------------------------------------------------
@@ -218,6 +320,8 @@ def main(argv=None):
                              dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
                              trust_remote_code=cfg.model.trust_remote_code)
     drafter = init_drafter(target, cfg.model)
+    if resume:
+        check_resumable(resume, drafter)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
         raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
@@ -268,6 +372,7 @@ def main(argv=None):
             accelerator.load_state(str(resume / DEEPSPEED_STATE))
         else:
             load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
+    open_output_dir(out, plan, accelerator)  # everything is loaded and checked: only now is output_dir touched
     if cfg.wandb.enabled:
         accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
             "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})

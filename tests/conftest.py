@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -72,6 +73,42 @@ def trained_drafter_dir(tmp_path_factory):
     main([f"output_dir={out}", "max_steps=100", "eval.every=0", "eval.max_samples=16", "checkpoint_every=0",
           "log_every=100"])
     return out / "final"
+
+
+@pytest.fixture(scope="session")
+def fresh_drafter_dir(tiny_target, tmp_path_factory):
+    """An untrained drafter for the bundled target, saved as training saves final/ (cheap: no training)."""
+    from dflash_train.checkpoint import drafter_config_for, save_drafter
+    from dflash_train.config import ModelConfig
+    from dflash_train.model import DFlashDrafter
+
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("fresh") / "drafter"
+    save_drafter(out, DFlashDrafter(drafter_config_for(tiny_target, ModelConfig())), tiny_target)
+    return out
+
+
+def broken_target(out: Path, how: str) -> Path:
+    """The bundled target with a config its weights do not fill: `missing` (10 layers for 8 layers of
+    weights), `unexpected` (6), `mis-shaped` (a wider MLP) or `garbage` (model.safetensors overwritten)."""
+    shutil.copytree(TINY_TARGET, out)
+    config = json.loads((out / "config.json").read_text())
+    if how in ("missing", "unexpected"):
+        n = 10 if how == "missing" else 6
+        config.update(num_hidden_layers=n, layer_types=config["layer_types"][:1] * n)
+    elif how == "mis-shaped":
+        config["intermediate_size"] *= 2
+    else:
+        (out / "model.safetensors").write_bytes(b"garbage" * 100)
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def error_line(stderr: str) -> str:
+    """The one `error:` line of a failed command; nothing else of ours (no traceback)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return lines[0]
 
 
 def chat_prompt(tokenizer, question: str):

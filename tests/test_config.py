@@ -30,6 +30,9 @@ def test_overrides_are_typed_and_nested():
     ("loss.ce_labels=maybe", "'loss.ce_labels'"),
     ("train=3", "'train'"),
     ("noequals", "not of the form key=value"),
+    ("train.betas=[0.9, 1.0]", r"'train.betas.1': Input should be less than 1"),
+    ("train.betas=[-0.1, 0.9]", r"'train.betas.0': Input should be greater than or equal to 0"),
+    ("eval.ddtree_budgets=[16, -4]", r"'eval.ddtree_budgets.1': Input should be greater than or equal to 0"),
     ("loss.ce_weight=0.5", r"'loss.ce_weight' was replaced by loss.terms \(ce_weight: 1.0, kl_weight: 0.5 -> terms: "),
     ("loss.kl_weight=0.5", "'loss.kl_weight' was replaced by loss.terms"),
     ("loss.terms={ce: 0, tv: 0}", "no term with a positive weight"),
@@ -66,3 +69,11 @@ def test_cli_error_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["error: recipe 'recipes/tiny.yaml': unknown key 'train.lrr'"]
     assert not (tmp_path / "out").exists()
+
+
+def test_the_default_recipe_and_shipped_ones_load_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe().model.target == "data/tiny-target"  # resolved by training (from the checkout)
+    assert load_recipe("recipes/qwen3-8b.yaml").model.target == "Qwen/Qwen3-8B"
+    with pytest.raises(UserError, match="recipe 'recipes/nope.yaml' not found"):
+        load_recipe("recipes/nope.yaml")

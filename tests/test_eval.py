@@ -187,7 +187,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
     busy.mkdir()
     (busy / "x").write_text("keep")
     cases = [
-        (["--drafter", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")], "is not a drafter folder"),
+        (["--drafter", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")], "drafter not found"),
         (["--drafter", str(trained_drafter_dir), "--target", str(llama_target_dir), "--output", str(tmp_path / "o2")],
          "does not match target"),
         (["--drafter", str(trained_drafter_dir), "--suite", "nope", "--output", str(tmp_path / "o3")],
@@ -245,4 +245,4 @@ def test_cheap_inputs_are_checked_before_any_loading(tmp_path, capsys, trained_d
     # and a good suite with a missing target fails on the target, after the drafter loaded
     code, err = run_main(capsys, "--drafter", str(trained_drafter_dir), "--target", str(tmp_path / "no-target"),
                          "--output", str(tmp_path / "out"))
-    assert code == 2 and "cannot load target" in err
+    assert code == 2 and "target not found" in err

@@ -14,16 +14,18 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from conftest import TINY_TARGET
-from dflash_train.checkpoint import load_drafter
+from conftest import TINY_TARGET, broken_target, error_line
+from dflash_train.checkpoint import drafter_fingerprint, load_drafter
 from dflash_train.export import main
 from dflash_train.model import ContextCache
+from dflash_train.outputs import MARKER
 from dflash_train.target import target_forward
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fake_report(device_type="cpu", device="Some CPU", tau64=5.1234):
+def fake_report(fingerprint, device_type="cpu", device="Some CPU", tau64=5.1234):
+    """A dflash-eval report.json of the drafter with this fingerprint (block 8, the bundled target)."""
     rows = [{"suite": "tinychat", "method": m, "budget": b, "temperature": 0.0, "max_new_tokens": 64, "prompts": 8,
              "tau": t, "lossless": True, "speedup": x, "speedup_interval": iv}
             for m, b, t, x, iv in [("ar", 0, 1.0, 1.0, [1.0, 1.0]), ("dflash", 7, 3.4567, 1.5, [1.4, 1.6]),
@@ -33,15 +35,21 @@ def fake_report(device_type="cpu", device="Some CPU", tau64=5.1234):
         hw.update(cuda="12.8", driver="570.1")
     best = {"best": {"method": "ddtree", "budget": 64}, "speedup": 1.9, "interval": [1.8, 2.05],
             "recommended": {"method": "ddtree", "budget": 64}, "indistinguishable": []}
-    return {"target": "data/tiny-target", "hardware": hw, "results": rows,
+    return {"target": str(TINY_TARGET), "target_revision": None, "block_size": 8, "drafter_fingerprint": fingerprint,
+            "hardware": hw, "results": rows,
             "advice": {"tinychat": {"measured": best, "concurrency": {"1": best}}}}
 
 
 @pytest.fixture(scope="module")
-def exports(trained_drafter_dir, tmp_path_factory):
+def fingerprint(trained_drafter_dir):
+    return drafter_fingerprint(load_drafter(trained_drafter_dir)[0])
+
+
+@pytest.fixture(scope="module")
+def exports(trained_drafter_dir, fingerprint, tmp_path_factory):
     base = tmp_path_factory.mktemp("export")
     report = base / "report.json"
-    report.write_text(json.dumps(fake_report()))
+    report.write_text(json.dumps(fake_report(fingerprint)))
     for fmt in ["speculators", "dflash"]:
         main(["--format", fmt, "--checkpoint", str(trained_drafter_dir), "--output", str(base / fmt),
               "--eval-report", str(report)])
@@ -127,12 +135,12 @@ def test_config_carries_the_pin(exports):
     assert spec["speculators_model_type"] == "dflash" and spec["speculators_config"]["verifier"]["name_or_path"]
 
 
-def test_model_card(exports):
+def test_model_card(exports, fingerprint):
     card = ModelCard.load(exports / "speculators" / "README.md")
     assert set(card.data.tags) >= {"speculators", "speculative-decoding", "dflash", "ddtree"}
     assert card.data.library_name == "speculators" and card.data.license == "other"
     text = card.text
-    report = fake_report()
+    report = fake_report(fingerprint)
     for r in report["results"]:
         assert f"| {r['method']} | {r['budget']} | {r['tau']} | yes |" in text  # exact values from the report
     assert "- Some CPU (cpu)" in text and "Not validated on a GPU." in text
@@ -142,11 +150,11 @@ def test_model_card(exports):
     assert "SHA-256" in text
 
 
-def test_card_lists_gpu_hardware_exactly(trained_drafter_dir, tmp_path):
+def test_card_lists_gpu_hardware_exactly(trained_drafter_dir, fingerprint, tmp_path):
     reports = []
     for i, (kind, name) in enumerate([("cuda", "NVIDIA H200"), ("cpu", "Some CPU")]):
         reports.append(tmp_path / f"r{i}.json")
-        reports[-1].write_text(json.dumps(fake_report(kind, name)))
+        reports[-1].write_text(json.dumps(fake_report(fingerprint, kind, name)))
     main(["--format", "dflash", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "o"),
           "--eval-report", str(reports[0]), "--eval-report", str(reports[1])])
     text = (tmp_path / "o" / "README.md").read_text()
@@ -179,7 +187,8 @@ def test_dry_run_lists_exactly_the_files(trained_drafter_dir, tmp_path, capsys):
     start = next(i for i, line in enumerate(out) if line.startswith("dry run"))
     assert "private model repo 'me/tiny-dflash'" in out[start]
     listed = sorted(line.split()[0] for line in out[start + 1:] if line.startswith("  "))
-    on_disk = sorted(str(p.relative_to(tmp_path / "o")) for p in (tmp_path / "o").rglob("*") if p.is_file())
+    on_disk = sorted(str(p.relative_to(tmp_path / "o")) for p in (tmp_path / "o").rglob("*") if p.is_file()
+                     and p.name != MARKER)  # our marker stays local
     assert listed == on_disk and "model.safetensors" in listed and "README.md" in listed
 
 
@@ -226,8 +235,9 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, ll
     bad_report = tmp_path / "bad.json"
     bad_report.write_text("{not json")
     d = str(trained_drafter_dir)
+    (tmp_path / "empty").mkdir()
     cases = [
-        (["--format", "speculators", "--checkpoint", str(tmp_path), "--output", str(tmp_path / "o1")],
+        (["--format", "speculators", "--checkpoint", str(tmp_path / "empty"), "--output", str(tmp_path / "o1")],
          "is not a drafter folder"),
         (["--format", "speculators", "--checkpoint", d, "--verifier", str(llama_target_dir), "--output",
           str(tmp_path / "o2")], "does not match the drafter: hidden size"),
@@ -249,6 +259,50 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, ll
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 7))
     assert not list(tmp_path.glob(".o*.tmp-*"))
     assert [p.name for p in busy.iterdir()] == ["keep"]
+
+
+def exits_2(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return error_line(capsys.readouterr().err)
+
+
+def test_only_reports_of_this_drafter_target_and_block_size_go_into_the_card(fresh_drafter_dir, tmp_path, capsys):
+    good = fake_report(drafter_fingerprint(load_drafter(fresh_drafter_dir)[0]))
+    report = tmp_path / "report.json"
+    base = ["--format", "dflash", "--checkpoint", str(fresh_drafter_dir), "--eval-report", str(report)]
+    for change, message in [({"drafter_fingerprint": None}, "has no drafter_fingerprint (written by an older"),
+                            ({"drafter_fingerprint": "0" * 64}, "measured another drafter (fingerprint 000000000000"),
+                            ({"block_size": 16}, "was measured at block size 16, this checkpoint has 8"),
+                            ({"target": "Qwen/Qwen3-8B"}, "was measured against target 'Qwen/Qwen3-8B', not the "
+                                                          f"verifier '{TINY_TARGET}'")]:
+        report.write_text(json.dumps({**good, **change}))
+        assert message in exits_2([*base, "--output", str(tmp_path / "o")], capsys)
+    assert not (tmp_path / "o").exists()
+    # the same target spelt another way, and the same drafter in another format, are accepted
+    report.write_text(json.dumps({**good, "target": "data/tiny-target/"}))
+    main([*base, "--output", str(tmp_path / "o")])
+    main(["--format", "speculators", "--checkpoint", str(tmp_path / "o"), "--eval-report", str(report),
+          "--output", str(tmp_path / "o2")])
+    assert "| ddtree | 64 | 5.1234 | yes |" in (tmp_path / "o2" / "README.md").read_text()
+
+
+def test_cheap_checks_come_before_the_verifier_is_read(fresh_drafter_dir, tmp_path, capsys):
+    """A bad Hub id or report is found before the (possibly huge) verifier is touched: here the
+    verifier is broken, and the error is still about the cheap input."""
+    broken = broken_target(tmp_path / "broken", "garbage")
+    (broken / "config.json").write_text("{not json")
+    base = ["--format", "dflash", "--checkpoint", str(fresh_drafter_dir), "--verifier", str(broken)]
+    for repo in ["me/my model", "a/b/c"]:
+        line = exits_2([*base, "--output", str(tmp_path / "o"), "--push-to-hub", repo, "--dry-run"], capsys)
+        assert f"--push-to-hub '{repo}' is not a Hub repo id" in line
+    report = tmp_path / "r.json"
+    report.write_text(json.dumps(fake_report("1" * 64)))
+    assert "measured another drafter" in exits_2([*base, "--output", str(tmp_path / "o"), "--eval-report",
+                                                  str(report)], capsys)
+    assert "cannot load verifier" in exits_2([*base, "--output", str(tmp_path / "o")], capsys)
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.fixture(scope="module")

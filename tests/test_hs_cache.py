@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_train.hs_cache as hs
-from conftest import TINY_TARGET
+from conftest import TINY_TARGET, broken_target, error_line
 from dflash_train.data import load_conversations
 from dflash_train.errors import UserError
 from dflash_train.target import load_target, target_forward
@@ -116,4 +116,56 @@ def test_cli(tmp_path, small_data):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")] == [
         f"error: data file '{tmp_path / 'none.jsonl'}' not found"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_then_the_same_command_resumes_and_then_says_complete(small_data, tmp_path, monkeypatch, capsys):
+    """Interrupted while writing its first shard (a half-written .tmp file and no partial manifest
+    yet): one line, exit 130; the same command resumes; once more, it says the cache is complete."""
+    out = tmp_path / "c"
+    cmd = ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET), "--output", str(out),
+           "--shard-rows", "8", "--dtype", "float32"]
+    real_save = hs.save_file
+
+    def cut_off(tensors, path):
+        path.write_bytes(b"half a shard")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hs, "save_file", cut_off)
+    with pytest.raises(SystemExit) as e:
+        hs.main(cmd)
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted with 0 of 2 shards done; rerun the same command to resume")
+    assert list(out.glob(".shard_*.tmp")) and not (out / hs.PARTIAL).exists()
+    monkeypatch.setattr(hs, "save_file", real_save)
+    hs.main(cmd)
+    manifest = json.loads((out / hs.MANIFEST).read_text())
+    assert len(manifest["shards"]) == 2 and not list(out.glob(".shard_*.tmp"))
+    plain = tmp_path / "plain.txt"  # shards are as readable as any file the user writes
+    plain.write_text("x")
+    assert (out / "shard_00000.safetensors").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+    capsys.readouterr()
+    hs.main(cmd)
+    assert f"hidden-state cache '{out}' is already complete (16 rows" in capsys.readouterr().err
+    assert json.loads((out / hs.MANIFEST).read_text()) == manifest
+    # other settings: refused, or (--overwrite) rebuilt
+    with pytest.raises(SystemExit):
+        hs.main([*cmd[:-1], "bfloat16"])
+    assert "holds a complete cache for other settings" in error_line(capsys.readouterr().err)
+    hs.main([*cmd[:-1], "bfloat16", "--overwrite"])
+    assert json.loads((out / hs.MANIFEST).read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("flags, message", [(["--shard-rows", "0"], "--shard-rows must be >= 1"),
+                                            (["--batch-size", "0"], "--batch-size must be >= 1"),
+                                            (["--target-layer-ids", "1,x"], "--target-layer-ids must be")])
+def test_bad_flags_and_missing_data_are_found_before_the_target_is_loaded(flags, message, small_data, tmp_path,
+                                                                        capsys):
+    broken = broken_target(tmp_path / "broken", "garbage")  # loading it would fail: it is never loaded
+    for data, expected in [(small_data / "val.jsonl", message), (tmp_path / "none.jsonl", "not found")]:
+        with pytest.raises(SystemExit) as e:
+            hs.main(["--data", str(data), "--target", str(broken), "--output", str(tmp_path / "o"),
+                     *(flags if expected == message else [])])
+        assert e.value.code == 2 and expected in error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()

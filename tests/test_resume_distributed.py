@@ -1,5 +1,6 @@
 """Exact resume after SIGKILL, and 2-process (gloo) training and gradient accumulation equal to 1 process
-at the same global batch."""
+at the same global batch (bit for bit where the float operations are the same, else within a stated
+number of float32 roundings)."""
 
 import json
 import os
@@ -68,42 +69,61 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, small_data):
     assert bad.returncode == 2 and "the recipe changed (train.lr)" in bad.stderr
 
 
+# float32 rounding of one value: every comparison below allows a stated number of them.
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def assert_same_training(a: dict, b: dict, roundings: float) -> None:
+    """Two trainings of the same model that differ only in the order of float32 sums. Compared per
+    tensor in float64 norm: ||a - b|| <= roundings * eps32 * ||a||. Elementwise comparisons are
+    flaky here: AdamW divides each gradient by its own running RMS, so an element whose gradient is
+    mostly cancellation (near zero) can move by thousands of roundings, while the tensor as a
+    whole moves by a few. Measured: 17 roundings at most; one fewer step at the end of the
+    cosine schedule is 56000."""
+    for k, v in a.items():
+        x, y = v.double(), b[k].double()
+        assert (x - y).norm() <= roundings * EPS32 * x.norm(), (k, ((x - y).norm() / (EPS32 * x.norm())).item())
+
+
 def test_two_processes_match_one(tmp_path, small_data):
-    """Global batch 8: 1 process x 8 vs 2 gloo processes x 4. Same rows per step (the sampler
-    shards whole batches), same anchors (drawn per row), one global loss normaliser: losses
-    agree to 1e-5 relative and final weights to 1e-5 (float32 reduction order differs)."""
+    """Global batch 8: 1 process x 8, 2 gloo processes x 4 and 1 process x 4 x 2 micro-batches.
+    Same rows per step (the sampler shards whole batches), same anchors (drawn per row), one global
+    loss normaliser. 2 x 4 and 1 x 4 x 2 run the very same float operations (a process's share of
+    the loss is scaled by 2, exactly, and DDP's mean of two gradients undoes it, exactly): equal
+    bit for bit. 1 x 8 rounds its larger matmuls differently: within 1000 float32 roundings (norm)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    one = subprocess.run([sys.executable, "-m", "dflash_train.train",
-                          *run_args(tmp_path / "one", small_data, "max_steps=5", "train.batch_size=8")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert one.returncode == 0, one.stderr[-2000:]
-    two = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                          "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                          "dflash_train/train.py",
-                          *run_args(tmp_path / "two", small_data, "max_steps=5", "train.batch_size=4")],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert two.returncode == 0, two.stderr[-3000:]
+    train = [sys.executable, "-m", "dflash_train.train"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
+              "dflash_train/train.py"]
+    runs = {"one": [*train, *run_args(tmp_path / "one", small_data, "max_steps=5", "train.batch_size=8")],
+            "accum": [*train, *run_args(tmp_path / "accum", small_data, "max_steps=5", "train.batch_size=4",
+                                        "train.grad_accum=2")],
+            "two": [*launch, *run_args(tmp_path / "two", small_data, "max_steps=5", "train.batch_size=4")]}
+    for name, cmd in runs.items():
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, (name, r.stderr[-3000:])
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["processes"] == 2
     l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [l1[s] for s in range(1, 6)] == pytest.approx([l2[s] for s in range(1, 6)], rel=1e-5)
-    a, b = load_drafter(tmp_path / "one" / "final")[0], load_drafter(tmp_path / "two" / "final")[0]
-    for k, v in a.state_dict().items():
-        torch.testing.assert_close(v, b.state_dict()[k], rtol=1e-5, atol=1e-5)
+    w = {name: load_drafter(tmp_path / name / "final")[0].state_dict() for name in runs}
+    for k, v in w["two"].items():
+        assert torch.equal(v, w["accum"][k]), k
+    assert_same_training(w["one"], w["two"], roundings=1000)
     s1, s2 = (json.loads((tmp_path / d / "summary.json").read_text())["eval"] for d in ["one", "two"])
     assert s1["blocks"] == s2["blocks"] and s1["eal"] == pytest.approx(s2["eal"], rel=1e-6)
 
 
-@pytest.mark.parametrize("objective, weight_atol", [
-    ([], 1e-5),
+@pytest.mark.parametrize("objective, roundings", [
+    ([], 1000),
     # D-PACE weights come from the drafter's own CE and AUF's mask from its argmax: both are per
-    # block, and the divisor (slot count / exp weights) is known before the forward. Weights: Adam
-    # divides by sqrt(v), so an element whose gradient is near 0 turns float32 reduction-order
-    # noise into update differences of up to ~5e-5 at a few elements (measured; TV makes such
-    # elements common); a wrong normaliser (per micro-batch) moves weights by ~1e-2.
-    (["loss.position_weight=dpace", "loss.terms={ce: 1.0, kl: 0.5}", "loss.chunk_slots=40"], 2e-4),
-    (["loss.until_first_failure=true", "loss.terms={ce: 0.1, tv: 0.9}"], 2e-4),
+    # block, and the divisor (slot count / exp weights) is known before the forward. TV makes
+    # near-zero gradients (see assert_same_training) common. Measured: 10 (ce-exp), 23 (dpace),
+    # 55 (auf) roundings; a wrong normaliser (per micro-batch) moves weights by ~1e-2 elementwise.
+    (["loss.position_weight=dpace", "loss.terms={ce: 1.0, kl: 0.5}", "loss.chunk_slots=40"], 1000),
+    (["loss.until_first_failure=true", "loss.terms={ce: 0.1, tv: 0.9}"], 1000),
 ], ids=["ce-exp", "dpace", "auf"])
-def test_accumulation_matches_a_full_batch(tmp_path, small_data, objective, weight_atol):
+def test_accumulation_matches_a_full_batch(tmp_path, small_data, objective, roundings):
     """1 x 4 x 2 micro-batches and 1 x 8: the same rows, anchors and global normaliser per step."""
     from dflash_train.train import main
 
@@ -112,8 +132,7 @@ def test_accumulation_matches_a_full_batch(tmp_path, small_data, objective, weig
     full, accum = losses(tmp_path / "full"), losses(tmp_path / "accum")
     assert [full[s] for s in range(1, 5)] == pytest.approx([accum[s] for s in range(1, 5)], rel=1e-5)
     a, b = load_drafter(tmp_path / "full" / "final")[0], load_drafter(tmp_path / "accum" / "final")[0]
-    for k, v in a.state_dict().items():
-        torch.testing.assert_close(v, b.state_dict()[k], rtol=1e-5, atol=weight_atol)
+    assert_same_training(a.state_dict(), b.state_dict(), roundings=roundings)
 
 
 def test_teacher_forced_tree_acceptance():

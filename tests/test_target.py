@@ -1,8 +1,9 @@
 import pytest
 import torch
 
+from conftest import TINY_TARGET, broken_target
 from dflash_train.errors import UserError
-from dflash_train.target import build_target_layer_ids, check_tap_layers, target_forward
+from dflash_train.target import build_target_layer_ids, check_tap_layers, load_target, target_forward
 
 
 def test_default_taps_match_published_qwen3_8b():
@@ -39,3 +40,24 @@ def test_taps_read_decoder_layer_outputs(tiny_target):
 def test_bad_taps_rejected(ids, msg):
     with pytest.raises(UserError, match=msg):
         check_tap_layers(ids, 8)
+
+
+@pytest.mark.parametrize("how, message", [
+    ("missing", r"its weights do not match its config.json: 22 missing \(e.g. model.layers.8."),
+    ("unexpected", r"its weights do not match its config.json: 22 unexpected \(e.g. model.layers.6."),
+    ("mis-shaped", r"its weights do not match its config.json: 24 of the wrong shape \(e.g. model.layers.0.mlp"),
+    ("garbage", r"cannot load target .*: Error while deserializing header"),
+])
+def test_a_target_its_weights_do_not_fill_is_refused(tmp_path, how, message):
+    """transformers would initialise the gaps at random and only warn: a drafter trained against
+    that target learns nothing useful."""
+    with pytest.raises(UserError, match=message):
+        load_target(str(broken_target(tmp_path / how, how)))
+
+
+def test_a_local_target_is_recorded_by_its_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(TINY_TARGET.parent)
+    assert load_target("tiny-target/").name_or_path == str(TINY_TARGET)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="target not found: './tiny-targt'"):
+        load_target("./tiny-targt")

@@ -1,14 +1,21 @@
 """Short end-to-end runs of the training entry on tiny targets."""
 
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import TINY_TARGET, broken_target, error_line
 from dflash_train.checkpoint import load_drafter
+from dflash_train.outputs import MARKER
 from dflash_train.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,13 +78,197 @@ def test_non_empty_output_dir_is_refused(tmp_path, capsys):
     out = tmp_path / "busy"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
+    for overwrite in ("false", "true"):  # not ours: never replaced
+        with pytest.raises(SystemExit) as e:
+            main([f"output_dir={out}", "max_steps=1", f"overwrite={overwrite}"])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"error: output_dir '{out}' is not empty and was not written by dflash-train (no "
+                       ".dflash-train.json): choose another output_dir, or empty it yourself"]
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+def quick(out, small_data, *extra) -> list[str]:
+    """A run of a few seconds on the small data."""
+    return [f"output_dir={out}", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
+            "max_steps=2", "train.batch_size=4", "data.num_anchors=4", "eval.max_samples=4", "model.num_layers=1",
+            *extra]
+
+
+def refused(argv, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    return error_line(capsys.readouterr().err)
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def finished_run(small_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("finished") / "run"
+    main(quick(out, small_data, "checkpoint_every=1"))
+    return out
+
+
+def test_overwrite_checks_every_input_before_touching_the_old_run(finished_run, small_data, tmp_path, capsys):
+    """overwrite=true replaces only a run of ours, and only once the new run is loaded and checked:
+    a bad target (missing, or with weights that do not fill its config) or missing data leaves it as it was."""
+    before = snapshot(finished_run)
+    bad_target = broken_target(tmp_path / "target", "missing")
+    for extra, message in [(["model.target=/nope"], "model.target not found: '/nope'"),
+                           ([f"model.target={bad_target}"], "its weights do not match its config.json"),
+                           # the data is checked before the (broken) target is loaded
+                           ([f"model.target={bad_target}", f"data.val={tmp_path / 'none.jsonl'}"], "not found")]:
+        argv = quick(finished_run, small_data, "checkpoint_every=1", "overwrite=true", *extra)
+        assert message in refused(argv, capsys)
+        assert snapshot(finished_run) == before
+    assert not [p for p in finished_run.parent.iterdir() if p.name.startswith(".run.")]  # nothing set aside
+
+
+def test_output_dir_overlapping_an_input_is_refused(finished_run, small_data, tmp_path, capsys):
+    line = refused(quick(small_data, small_data), capsys)
+    assert line == (f"error: output_dir '{small_data}' holds the data.train '{small_data / 'train.jsonl'}': "
+                    "write the output somewhere else")
+    inside = finished_run / "final" / "more"
+    line = refused(quick(inside, small_data, f"model.init_from={finished_run / 'final'}", "overwrite=true"), capsys)
+    assert "is inside the model.init_from" in line
+    f = tmp_path / "file"
+    f.write_text("x")
+    assert refused(quick(f, small_data), capsys) == f"error: output_dir '{f}' is a file, not a folder"
+    assert f.read_text() == "x" and not inside.exists()
+
+
+def test_resume_messages_say_what_overwrite_deletes(finished_run, small_data, capsys):
+    line = refused(quick(finished_run, small_data, "checkpoint_every=1"), capsys)
+    assert line == (f"error: output_dir '{finished_run}' holds a finished run: overwrite=true deletes it "
+                    "(1 checkpoint up to step 1, final/, metrics.jsonl, summary.json), or choose another output_dir")
+
+
+def test_a_moved_run_resumes_with_paths_spelt_differently(finished_run, small_data, tmp_path, monkeypatch, capsys):
+    """Interrupted after its checkpoint (summary and final removed), moved elsewhere, resumed with
+    a trailing slash and relative data paths: the same run."""
+    moved = tmp_path / "elsewhere" / "run"
+    shutil.copytree(finished_run, moved)
+    (moved / "summary.json").unlink()
+    shutil.rmtree(moved / "final")
+    monkeypatch.chdir(small_data)
+    argv = [f"output_dir={moved}/", "data.train=train.jsonl", "data.val=./val.jsonl",
+            *quick(moved, small_data, "checkpoint_every=1")[3:]]
+    line = refused([*argv, "train.lr=1e-2"], capsys)
+    assert line.startswith(f"error: cannot resume from {moved / 'checkpoints' / 'step_000001'}: the recipe changed "
+                           "(train.lr); rerun with the same recipe to resume, choose another output_dir, or pass "
+                           "overwrite=true to delete this run (1 checkpoint up to step 1, metrics.jsonl)")
+    main(argv)
+    assert f"resuming from {moved / 'checkpoints' / 'step_000001'}" in capsys.readouterr().out
+    assert json.loads((moved / "summary.json").read_text())["resumed_from_step"] == 1
+    plain = moved / "plain.txt"  # the weights are as readable as any file the user writes (umask)
+    plain.write_text("x")
+    for weights in [moved / "final" / "model.safetensors", moved / "checkpoints" / "step_000001" / "model.safetensors"]:
+        assert weights.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_again(small_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    main(quick(out, small_data))
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "final")  # as if stopped at step 2, with no checkpoint
+    main(quick(out, small_data))  # the same command, no overwrite=true
+    said = capsys.readouterr().out
+    assert "holds a run stopped before its first checkpoint (metrics.jsonl): starting it again" in said
+    assert [r["step"] for r in read_metrics(out)] == [1, 2] and (out / "summary.json").is_file()
+
+
+def test_resume_against_a_changed_target_is_one_line(small_data, qwen3_random_target_dir, tmp_path, capsys):
+    """The target folder now holds a model of another hidden size: refused before loading weights."""
+    target = tmp_path / "target"
+    shutil.copytree(TINY_TARGET, target)
+    out = tmp_path / "run"
+    main(quick(out, small_data, f"model.target={target}", "checkpoint_every=1"))
+    (out / "summary.json").unlink()
+    shutil.rmtree(target)
+    shutil.copytree(qwen3_random_target_dir, target)
+    line = refused(quick(out, small_data, f"model.target={target}", "checkpoint_every=1"), capsys)
+    assert line == (f"error: cannot resume from {out / 'checkpoints' / 'step_000001'}: it holds a drafter of hidden "
+                    "size 128, the target now gives 64 (the target changed since?)")
+
+
+def test_runs_from_any_folder_and_prints_only_its_own_progress(tmp_path):
+    """The default recipe, target and data come from the checkout; the drafter records its target by
+    absolute path, so it exports from yet another folder. Validation shows a bar; the datasets
+    Filter/Flattening bars and DeepSpeed's accelerator warning do not print."""
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-m", "dflash_train.train", "output_dir=run", "max_steps=2",
+                        "train.batch_size=4", "data.num_anchors=4", "eval.max_samples=4"],
+                       cwd=elsewhere, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "validate" in r.stderr
+    for noise in ["Filter", "Flattening", "Setting accelerator to CPU"]:
+        assert noise not in r.stderr, r.stderr[-3000:]
+    meta = json.loads((elsewhere / "run" / "final" / "config.json").read_text())
+    assert meta["target"]["name_or_path"] == str(TINY_TARGET)
+    assert (elsewhere / "run" / MARKER).is_file()
+    from dflash_train.export import main as export_main
+
+    other = tmp_path / "other"
+    other.mkdir()
+    os.chdir(other)
     try:
-        main([f"output_dir={out}", "max_steps=1"])
-    except SystemExit as e:
-        assert e.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: output_dir '{out}' is not empty and holds no checkpoint to resume (pass overwrite=true to replace it)"]
-    assert (out / "keep.txt").read_text() == "mine"
+        export_main(["--format", "dflash", "--checkpoint", str(elsewhere / "run" / "final"), "--output", "x"])
+    finally:
+        os.chdir(ROOT)
+    assert json.loads((other / "x" / "config.json").read_text())["verifier_pin"]["name_or_path"] == str(TINY_TARGET)
+
+
+def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(tmp_path, small_data):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "dflash_train.train", *quick(out, small_data, "max_steps=100000", "checkpoint_every=3",
+                                                                "train.batch_size=2", "log_every=1")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def run_until(step: int):
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").is_file() or max([0] + [r["step"] for r in read_metrics(out)]) < step:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+        return proc.returncode, stdout, stderr
+
+    code, _, stderr = run_until(4)
+    assert code == 130 and "Traceback" not in stderr, stderr[-3000:]
+    done = read_metrics(out)[-1]["step"]
+    resume = max(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*"))
+    assert resume >= 3 and stderr.strip().splitlines()[-1] == (
+        f"interrupted at step {done}; rerun the same command to resume from step {resume}")
+    code, stdout, stderr = run_until(done + 1)  # a step the first run never reached
+    assert code == 130 and f"resuming from {out / 'checkpoints' / f'step_{resume:06d}'}" in stdout, stderr[-3000:]
+
+
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+          "--dynamo_backend", "no"]
+LAUNCHERS = {"accelerate": [*LAUNCH, "--num_processes", "1"],
+             "accelerate-multi-gpu": [*LAUNCH, "--multi_gpu", "--num_processes", "2", "--main_process_port", "0"],
+             "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]}
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_bad_recipe_value_under_each_launcher_is_our_line_once_and_first(launcher, tmp_path):
+    """Every process meets the bad value; one line is printed, before the launcher's own report
+    (which exits 1 for any failed child: see README, Troubleshooting)."""
+    r = subprocess.run([*LAUNCHERS[launcher], "dflash_train/train.py", "train.betas=[0.9, 1.5]",
+                        f"output_dir={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    ours = "error: recipe 'recipes/tiny.yaml': 'train.betas.1': Input should be less than 1 (got 1.5)"
+    lines = r.stderr.splitlines()
+    assert lines[0] == ours and [line for line in lines if line.startswith("error")] == [ours], r.stderr[-3000:]
+    assert str(ROOT / "dflash_train") not in r.stderr  # no traceback through our code
+    assert r.returncode == 1 and not (tmp_path / "o").exists()
 
 
 def test_non_default_objective_trains_and_reports_every_term(tmp_path, small_data):

@@ -154,7 +154,8 @@ def main():
             f"{1000 * median['dflash2']:.0f} ms")
     print(f"\n{note}\n\n{table}")
     (out / "dflash2_table.md").write_text(table + "\n\n" + note + "\n")
-    (out / "dflash2_table.json").write_text(json.dumps({"rows": results, "step_s": times, "note": note}, indent=2) + "\n")
+    record = {"rows": results, "step_s": times, "note": note}
+    (out / "dflash2_table.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -218,8 +218,9 @@ class SelectorScorer:
     row lookup per expanded node."""
 
     def __init__(self, selector: CandidateSelector, hidden: torch.Tensor, bonus: int):
-        """hidden [L, H]: the final-normed states of the drafted slots 1..L; bonus: slot 0's token."""
-        self.selector, self.hidden, self.bonus = selector, hidden, bonus
+        """hidden [B, H]: the block's final-normed states (slot 0, the bonus token's, is not read);
+        bonus: slot 0's token."""
+        self.selector, self.hidden, self.bonus = selector, hidden[1:], bonus
 
     @torch.no_grad()
     def expander(self, draft_logits: torch.Tensor, K: int):

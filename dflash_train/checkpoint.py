@@ -23,6 +23,9 @@ from dflash_train.outputs import match_umask, model_source, write_atomically
 from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, first_line
 
 FORMAT = "dflash-train"
+# Variants a DFlash drafter can start (model.init_from): the prefixes of the modules they add fresh
+# (DFlash2 also adds layers.N.{attention_conv, mlp_conv}, at the identity).
+GROWN = {"dspark": ("markov_head.", "confidence_head."), "dflash2": ("candidate_selector.",)}
 # Tensors a Speculators checkpoint may carry that belong to the verifier, not the drafter.
 SPECULATORS_VERIFIER_KEYS = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
                              "verifier_norm.weight", "d2t", "t2d"}
@@ -61,8 +64,18 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dflash2_fields(m, tc),
+        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m),
+        **dflash2_fields(m, tc),
     )
+
+
+def dspark_fields(m: ModelConfig) -> dict:
+    """The DSpark part of a DrafterConfig (its defaults for DFlash)."""
+    if m.variant != "dspark":
+        return {}
+    return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
+            "confidence_head": m.confidence_head,
+            "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
 
 
 def dflash2_fields(m: ModelConfig, tc) -> dict:
@@ -83,8 +96,8 @@ def dflash2_fields(m: ModelConfig, tc) -> dict:
 
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees.
-    A DFlash drafter may start a DFlash2 recipe: its weights, identity convolutions (so it
-    computes what it computed) and a fresh selector."""
+    A DFlash drafter may start a DSpark recipe (its backbone, with fresh DSpark heads) or a DFlash2
+    one (its weights, identity convolutions, so it computes what it computed, and a fresh selector)."""
     cfg = drafter_config_for(target, m)
     if m.init_from is None:
         return DFlashDrafter(cfg)
@@ -93,19 +106,23 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     loaded = drafter.config
     fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
               ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
-              ("block_attention", "block_attention")]
+              ("block_attention", "block_attention"), ("variant", "variant")]
+    if loaded.variant == "dspark":
+        fields += [("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
+                   ("confidence_head", "confidence_head")]
     if loaded.variant == "dflash2":
-        fields += [("variant", "variant"), ("conv_kernel_size", "conv_kernel_size"),
-                   ("conv_group_size", "conv_group_size"), ("selector_rank", "selector_rank"),
-                   ("selector_top_k", "selector_top_k")]
+        fields += [("conv_kernel_size", "conv_kernel_size"), ("conv_group_size", "conv_group_size"),
+                   ("selector_rank", "selector_rank"), ("selector_top_k", "selector_top_k")]
     for key, field in fields:
+        if key == "variant" and loaded.variant == "dflash" and cfg.variant in GROWN:
+            continue
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
                             f"{getattr(cfg, field)}: set model.{key} to match")
-    if loaded.variant != cfg.variant:  # a DFlash drafter grown into DFlash2
+    if loaded.variant != cfg.variant:  # a DFlash drafter under fresh DSpark heads / DFlash2 modules
         grown = DFlashDrafter(cfg)
         missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
-        assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing)
+        assert not unexpected and all(k.startswith(GROWN[cfg.variant]) or "_conv." in k for k in missing)
         return grown
     loaded.num_target_layers = cfg.num_target_layers
     return drafter

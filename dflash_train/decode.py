@@ -9,8 +9,13 @@ measured by the same code, and each round is one target forward.
 
     result = decode(target, drafter, prompt_ids, method="ddtree", budget=64)
 
+A DSpark drafter drafts its chain with the Markov bias fed by its own drafted tokens
+(`dspark.markov_chain`), and its DDTree is path-conditioned (`dspark.MarkovScorer`), or built
+from the backbone's marginals alone with tree_scores="marginal".
 A DFlash2 drafter drafts its chain as vLLM walks its candidate selector (`dflash2.selector_chain`:
-each slot re-ranks its unary top-K given the token drafted before it).
+each slot re-ranks its unary top-K given the token drafted before it), and its DDTree ranks each
+node's children by the selector given that node's token (`dflash2.SelectorScorer`), or is built
+from the unary marginals alone with tree_scores="marginal".
 """
 
 import time
@@ -19,12 +24,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash_train.ddtree import DraftTree, accept_walk, build_tree, chain_tree, root_only_tree, tree_attention_mask
-from dflash_train.dflash2 import selector_chain
+from dflash_train.ddtree import (DraftTree, accept_walk, build_tree, chain_tree, root_only_tree, spine_counts,
+                                 tree_attention_mask)
+from dflash_train.dspark import MarkovScorer, markov_chain
+from dflash_train.dflash2 import SelectorScorer, selector_chain
 from dflash_train.model import ContextCache, DFlashDrafter
 from dflash_train.target import Target, taps_from_hidden_states
 
 METHODS = ("ar", "dflash", "ddtree")
+TREE_SCORES = ("conditional", "marginal")  # DSpark's / DFlash2's DDTree: path-conditioned, or from the marginals
 STAGES = ("draft", "tree", "verify", "commit")
 
 
@@ -34,6 +42,11 @@ class DecodeResult:
     accept_lengths: list[int] = field(default_factory=list)  # per round: tokens emitted (accepted + bonus)
     stage_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))  # prefill excluded
     prefill_s: float = 0.0
+    # ddtree.spine_counts summed over rounds: on-spine hits, nodes, off-spine hits, nodes
+    spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])
+    # DSpark's confidence head along the chain, per drafted slot: [predicted sum, rounds that
+    # reached the slot, rounds that accepted it] (None without a confidence head or off the chain)
+    confidence: list[list[float]] | None = None
 
     @property
     def tau(self) -> float:
@@ -77,8 +90,20 @@ def draft_hidden(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonu
     return drafter.forward_cached(target.embed(block), positions, ctx)[0]  # [B, H]
 
 
+def tree_scorer(drafter: DFlashDrafter, hidden: torch.Tensor, bonus: int, tree_scores: str):
+    """The conditional scorer of this block's DDTree (hidden [B, H]), or None for the tree from the
+    marginals: DFlash, or tree_scores="marginal"."""
+    if tree_scores != "conditional":
+        return None
+    if drafter.markov_head is not None:
+        return MarkovScorer(drafter.markov_head, hidden, bonus)
+    if drafter.candidate_selector is not None:
+        return SelectorScorer(drafter.candidate_selector, hidden, bonus)
+    return None
+
+
 def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
-    """The block's (unary) logits [B-1, V] (slots 1..B-1)."""
+    """The backbone's block logits [B-1, V] (slots 1..B-1)."""
     return target.lm_head(draft_hidden(drafter, target, ctx, bonus, start)[1:])
 
 
@@ -109,10 +134,14 @@ def commit(cache: DynamicCache, start: int, accepted: list[int]) -> None:
 @torch.no_grad()
 def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tensor, method: str = "ddtree",
            budget: int = 64, temperature: float = 0.0, max_new_tokens: int = 128,
-           stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None) -> DecodeResult:
-    """Generate up to max_new_tokens after prompt_ids [1, P] (stopping after a stop token)."""
+           stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
+           tree_scores: str = "conditional") -> DecodeResult:
+    """Generate up to max_new_tokens after prompt_ids [1, P] (stopping after a stop token).
+    tree_scores: how a DSpark or DFlash2 drafter's DDTree is scored (TREE_SCORES); DFlash has marginals only."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if tree_scores not in TREE_SCORES:
+        raise ValueError(f"tree_scores must be one of {TREE_SCORES}, got {tree_scores!r}")
     device = target.embed.weight.device
     use_drafter = method != "ar"
     layer_ids = drafter.config.target_layer_ids if use_drafter else []
@@ -129,26 +158,45 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
         drafter.extend_context(ctx, taps_from_hidden_states(out.hidden_states, layer_ids),
                                torch.arange(start, device=device)[None])
     result = DecodeResult(tokens=[bonus], prefill_s=time.perf_counter() - t0)
+    dspark = use_drafter and drafter.config.variant == "dspark"
+    calibrate = dspark and method == "dflash" and drafter.confidence_head is not None
+    if calibrate:
+        result.confidence = [[0.0] * (drafter.config.block_size - 1) for _ in range(3)]
     clock = _Clock(result.stage_s, device)
 
     while len(result.tokens) < max_new_tokens and bonus not in stop_ids:
+        confidence = None
         if method == "ar":
             tree = root_only_tree()
         else:
             hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
-            draft_logits = target.lm_head(hidden[1:])  # [B-1, V]
-            if method == "dflash" and drafter.candidate_selector is not None:  # DFlash2: the selector walk
-                chain = selector_chain(drafter.candidate_selector, hidden[1:], draft_logits, bonus)
+            base_logits = target.lm_head(hidden[1:])  # [B-1, V], the backbone's (DFlash2: the unary logits)
+            if method == "dflash" and dspark:  # the Markov chain: each slot biased by the token drafted before it
+                chain, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
+            elif method == "dflash" and drafter.candidate_selector is not None:  # DFlash2: the selector walk
+                chain = selector_chain(drafter.candidate_selector, hidden[1:], base_logits, bonus)
             elif method == "dflash":
-                chain = draft_logits.argmax(-1)
+                chain = base_logits.argmax(-1)
             clock.lap("draft")
-            tree = build_tree(draft_logits, budget) if method == "ddtree" else chain_tree(chain)
+            if method == "dflash":
+                tree = chain_tree(chain)
+            else:
+                tree = build_tree(base_logits, budget, tree_scorer(drafter, hidden, bonus, tree_scores))
         clock.lap("tree")
 
         logits, hidden_states = verify(target, cache, tree, bonus, start, use_drafter)
         posterior = choose(logits, temperature, generator).tolist()  # the target's pick after each node
         accepted, bonus = accept_walk(tree, posterior)
         clock.lap("verify")
+        if use_drafter:  # diagnostics: does the best child under each accepted node name the target's next token?
+            counts = spine_counts(tree, accepted[1:], [posterior[i] for i in accepted[1:]])
+            result.spine = [a + c for a, c in zip(result.spine, counts)]
+        if confidence is not None:  # slots 1..a accepted, slot a+1 rejected, later ones never reached
+            a = len(accepted) - 1
+            for k, p in enumerate(torch.sigmoid(confidence.float()).tolist()[: a + 1]):
+                result.confidence[0][k] += p
+                result.confidence[1][k] += 1
+                result.confidence[2][k] += k < a
 
         commit(cache, start, accepted)
         if use_drafter:

@@ -32,7 +32,7 @@ from dflash_train import speed
 from dflash_train.checkpoint import check_matches_target, drafter_fingerprint, load_drafter
 from dflash_train.costs import measure_costs
 from dflash_train.data import stop_token_ids
-from dflash_train.decode import STAGES, decode
+from dflash_train.decode import STAGES, TREE_SCORES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.outputs import require_free_output, write_atomically
 from dflash_train.progress import BAR_INTERVAL
@@ -55,6 +55,8 @@ class Sample:
     prefill_s: float = 0.0
     decoded: int = 0  # tokens produced by decode rounds (each turn's first token comes from its prefill)
     context_tokens: int = 0  # sum over decoded tokens of the context they were verified after
+    spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode.DecodeResult.spine, summed
+    confidence: list[list[float]] | None = None  # decode.DecodeResult.confidence, summed (DSpark chain)
 
     @property
     def decode_s(self) -> float:
@@ -96,7 +98,12 @@ def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, 
         messages.append({"role": "user", "content": turn})
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                       return_dict=True)["input_ids"]
-        r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens, stops, gen)
+        r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens, stops, gen,
+                   args.tree_scores)
+        sample.spine = [a + b for a, b in zip(sample.spine, r.spine)]
+        if r.confidence is not None:
+            sample.confidence = r.confidence if sample.confidence is None else [
+                [a + b for a, b in zip(x, y)] for x, y in zip(sample.confidence, r.confidence)]
         messages.append({"role": "assistant", "content": tok.decode(r.tokens, skip_special_tokens=True)})
         sample.accept_lengths += r.accept_lengths
         sample.outputs.append(r.tokens)
@@ -168,8 +175,25 @@ def summarize(samples: list[Sample], ar: list[Sample], suite: str, n: int, args,
         "accept_hist": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
         "stage_ms_per_round": {s: median(per_round[s]) for s in STAGES},
         "prefill_ms_per_turn": round(1000 * sum(x.prefill_s for x in samples) / max(turns, 1), 3),
+        **spine_summary(samples),
     }
     return row, speedup
+
+
+def spine_summary(samples: list[Sample]) -> dict:
+    """Off-spine accuracy beside on-spine (ddtree.spine_counts, summed over the samples), and for a
+    DSpark chain the confidence head's predicted vs measured acceptance per slot (over the rounds
+    that reached the slot)."""
+    on_hit, on_n, off_hit, off_n = (sum(c) for c in zip(*(x.spine for x in samples)))
+    out = {"on_spine_acc": round(on_hit / on_n, 4) if on_n else None, "on_spine_nodes": on_n,
+           "off_spine_acc": round(off_hit / off_n, 4) if off_n else None, "off_spine_nodes": off_n}
+    conf = [x.confidence for x in samples if x.confidence is not None]
+    if conf:
+        predicted, reached, accepted = ([sum(v) for v in zip(*rows)] for rows in zip(*conf))
+        out["confidence"] = {"predicted": [round(p / n, 4) if n else None for p, n in zip(predicted, reached)],
+                             "measured": [round(a / n, 4) if n else None for a, n in zip(accepted, reached)],
+                             "reached": [int(n) for n in reached]}
+    return out
 
 
 def predictions(by_method: dict, methods, n: int, args, draws: tuple, curves: speed.Curves,
@@ -322,6 +346,9 @@ def parse_args(argv):
     p.add_argument("--suite", action="append", default=None,
                    help=f"suite name, NAME=local_file or a messages .jsonl (repeatable; default {DEFAULT_SUITE})")
     p.add_argument("--budgets", default="4,16,64,256", help="DDTree budgets (non-root nodes); 0 = plain decoding")
+    p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
+                   help="a DSpark or DFlash2 drafter's DDTree: path-conditioned (default; DFlash2: by its selector) "
+                        "or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
@@ -385,7 +412,10 @@ def main(argv=None):
     report = build_report(args, argv, suites, methods, samples, costs, device_costs, B)
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
-                   "target_layer_ids": drafter.config.target_layer_ids, "hardware": hardware_record(device)})
+                   "target_layer_ids": drafter.config.target_layer_ids, "hardware": hardware_record(device),
+                   "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
+                   "markov_head_type": drafter.config.markov_head_type, "selector_rank": drafter.config.selector_rank,
+                   "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores})
     write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())
 

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash_train.checkpoint import count_parameters, drafter_fingerprint, load_drafter, mask_token_text, resolve_folder
+from dflash_train.dspark import TREE_CANDIDATES
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
 from dflash_train.outputs import MARKER, model_source, require_free_output, write_atomically
@@ -188,7 +189,11 @@ def training_section(recipe_text: str | None, fmt: str) -> str:
         f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
         f"{t['warmup_ratio']} warmup, clip {t['clip_grad']}), {d['num_anchors']} anchors per sequence, "
         f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} slot weights"
-        f"{' and accept-until-fail' if loss['until_first_failure'] else ''}.",
+        f"{' and accept-until-fail' if loss['until_first_failure'] else ''}"
+        + (f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
+           if m.get("variant") == "dspark" and m.get("confidence_head") else "")
+        + (f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
+           if m.get("variant") == "dflash2" else "."),
         f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
         "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml", recipe_text.strip(),
         "```", "", "</details>"])
@@ -202,10 +207,28 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
     if recipe_text:
         d = yaml.safe_load(recipe_text)["data"]
         datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
+    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    name = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[cfg.variant]
     card_data = ModelCardData(base_model=hub_verifier, library_name="speculators" if fmt == SPECULATORS else "vllm",
-                              tags=["speculators", "speculative-decoding", "dflash", "ddtree"],
+                              tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
+                              + [cfg.variant] * (dspark or dflash2),
                               license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
-    if fmt == SPECULATORS:
+    algorithm_text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
+    if dspark:
+        algorithm_text = (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
+                          f"(rank {cfg.markov_rank}) conditions each slot on the token drafted before it"
+                          + ("; a confidence head predicts each slot's acceptance" if cfg.confidence_head else ""))
+    if dflash2:
+        algorithm_text = (f"DFlash2: the DFlash block forward with {cfg.conv_kernel_size}-tap dynamic convolutions "
+                          f"around every sublayer (within the block), then a rank-{cfg.selector_rank} candidate "
+                          f"selector re-ranks each slot's top-{cfg.selector_top_k} tokens given the token before it")
+    if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
+        spec = json.dumps({"method": "dspark", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
+                f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
+    elif fmt == SPECULATORS and dflash2:  # vLLM 0.33 reads `dflash2` as DFlash2DraftModel under method dflash
+        vllm = f"vllm serve {serve_ref}   # DFlash2DraftModel, method dflash, read from config.json"
+    elif fmt == SPECULATORS:
         vllm = f"vllm serve {serve_ref}"
     else:
         spec = json.dumps({"method": "dflash", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
@@ -213,8 +236,20 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
     extra = "" if pin["kind"] != "content_sha256" else (
         "- The verifier is a local folder with no Hub revision; publish it or re-export with "
         "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
+    if dspark and cfg.markov_head_type != "vanilla":
+        extra += ("\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head only: "
+                  f"this `{cfg.markov_head_type}` head's weights are not served there (speculators and dflash-train "
+                  "load them).")
+    if dspark:
+        extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with the "
+                  f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark "
+                  "chain.")
+    if dflash2:
+        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from dflash-train's decoder, "
+                  "whose tree ranks each node's children by the selector given that node's token.")
     return ModelCard.from_template(
-        card_data, template_path=str(TEMPLATE), title=f"DFlash drafter for {verifier}",
+        card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",
+        algorithm=name, algorithm_text=algorithm_text,
         verifier=verifier,
         verifier_md=f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier else f"`{verifier}`",
         format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
@@ -301,6 +336,9 @@ def main(argv=None):
     reports = read_reports(args.eval_report)
     drafter, meta = load_drafter(args.checkpoint)
     cfg = drafter.config
+    if cfg.variant == "dspark" and args.format == NATIVE:
+        raise UserError("the native DFlash format has no Markov or confidence head: export a DSpark drafter with "
+                        "--format speculators (served by vLLM as method dspark)")
     if cfg.variant == "dflash2" and args.format == NATIVE:
         raise UserError("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
                         "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")

@@ -1,9 +1,10 @@
 """Drafter checkpoint formats: ours, Speculators (`vllm serve <dir>`) and native DFlash (z-lab,
 vLLM `method: dflash`). All three store the same tensors under the same names
-(fc, hidden_norm, layers.N.*, norm); only config.json differs. DFlash2 drafters add
-layers.N.{attention_conv, mlp_conv}.* and candidate_selector.* and travel as ours or Speculators
-`dflash2` (vLLM 0.33 reads it as `DFlash2DraftModel`, method dflash); the native DFlash format
-has no place for them.
+(fc, hidden_norm, layers.N.*, norm); only config.json differs. DSpark drafters add
+markov_head.* and confidence_head.* and travel as ours or Speculators `dspark` (served by
+vLLM as `method: dspark`); DFlash2 drafters add layers.N.{attention_conv, mlp_conv}.* and
+candidate_selector.* and travel as ours or Speculators `dflash2` (vLLM 0.33 reads it as
+`DFlash2DraftModel`, method dflash); the native DFlash format has no place for either.
 
 Layer ids: ours and native DFlash store z-lab `target_layer_ids` (tap k = decoder layer k =
 transformers hidden_states[k+1]); Speculators stores `aux_hidden_state_layer_ids` = those + 1.
@@ -35,12 +36,12 @@ QWEN3_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
 def detect_format(config: dict) -> str:
     if config.get("format") == OURS:
         return OURS
-    if config.get("speculators_model_type") in ("dflash", "dflash2"):
+    if config.get("speculators_model_type") in ("dflash", "dspark", "dflash2"):
         return SPECULATORS
     if "DFlashDraftModel" in (config.get("architectures") or []) and "dflash_config" in config:
         return NATIVE
     raise UserError("config.json is not a DFlash drafter in any known format "
-                    "(dflash-train, speculators 'dflash' or 'dflash2', or native DFlashDraftModel)")
+                    "(dflash-train, speculators 'dflash', 'dspark' or 'dflash2', or native DFlashDraftModel)")
 
 
 def _block_attention(causal) -> str:
@@ -68,7 +69,8 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
             cfg = DrafterConfig(**_qwen3(tl), block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                                 target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
                                 num_target_layers=extra.get("num_target_layers"),
-                                block_attention=_block_attention(tl.get("is_causal")), **_speculators_dflash2(config))
+                                block_attention=_block_attention(tl.get("is_causal")), **_speculators_dspark(config),
+                                **_speculators_dflash2(config))
             verifier = config.get("speculators_config", {}).get("verifier", {})
             return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
                                                    "revision": (config.get("verifier_pin") or {}).get("revision")},
@@ -88,17 +90,37 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
         raise UserError(f"{fmt} config.json is missing or has a malformed field: {e}") from e
 
 
+def _speculators_dspark(config: dict) -> dict:
+    """The DSpark fields of a Speculators config.json (none for 'dflash'). speculators' own
+    default is sample_from_anchor true (B drafted tokens, slot 0 predicting the token after the
+    anchor); dflash-train drafts B-1 tokens after the bonus token, so only false is read."""
+    if config.get("speculators_model_type") != "dspark":
+        if config.get("sample_from_anchor"):
+            raise UserError("Speculators config has sample_from_anchor true: dflash-train reads only "
+                            "false (the bonus token at block slot 0, B-1 drafted tokens)")
+        return {}
+    if config.get("sample_from_anchor", True):  # speculators' DSpark default is true
+        raise UserError("DSpark config has sample_from_anchor true (or unset, speculators' default): dflash-train "
+                        "reads only false (the bonus token at block slot 0, B-1 drafted tokens)")
+    head_type = config.get("markov_head_type", "vanilla")
+    if head_type not in ("vanilla", "gated", "rnn"):
+        raise UserError(f"DSpark config has an unknown markov_head_type '{head_type}'")
+    rank = int(config.get("markov_rank", 256))
+    confidence = bool(config.get("enable_confidence_head", True))
+    with_markov = confidence and bool(config.get("confidence_head_with_markov", True))
+    if with_markov and rank <= 0:
+        raise UserError("DSpark config has confidence_head_with_markov true but markov_rank 0")
+    return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type, "confidence_head": confidence,
+            "confidence_head_with_markov": with_markov}
+
+
 # speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
 DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
 
 
 def _speculators_dflash2(config: dict) -> dict:
-    """The DFlash2 fields of a Speculators config.json (none for 'dflash'). Only what dflash-train
-    drafts is read: the bonus token at slot 0 (sample_from_anchor false, both variants' default)
-    and, for DFlash2, the full vocabulary (speculators' DFlash2 requires it too)."""
-    if config.get("sample_from_anchor"):
-        raise UserError("Speculators config has sample_from_anchor true: dflash-train reads only false "
-                        "(the bonus token at block slot 0, B-1 drafted tokens)")
+    """The DFlash2 fields of a Speculators config.json (none for other types); its full vocabulary
+    is checked (speculators' DFlash2 requires it too; sample_from_anchor: see _speculators_dspark)."""
     if config.get("speculators_model_type") != "dflash2":
         return {}
     vocab = config["transformer_layer_config"]["vocab_size"]
@@ -112,21 +134,27 @@ def _speculators_dflash2(config: dict) -> dict:
 def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures: list[str], pin: dict,
                        mask_token: str | None):
     """The Speculators config, built with speculators' own classes (what vLLM reads):
-    DFlashSpeculatorConfig, or DFlash2SpeculatorConfig for a DFlash2 drafter."""
+    DFlashSpeculatorConfig, or DSparkSpeculatorConfig / DFlash2SpeculatorConfig for those variants."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashSpeculatorConfig
     from speculators.models.dflash2 import DFlash2SpeculatorConfig
+    from speculators.models.dspark import DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     causal = cfg.block_attention == "causal"
     layer_config = cfg.qwen3_config()
     layer_config.is_causal = causal  # vLLM reads it before anything else (see the module docstring)
-    config_class, dflash2 = DFlashSpeculatorConfig, {}
-    if cfg.variant == "dflash2":
+    config_class, extra = DFlashSpeculatorConfig, {}
+    if cfg.variant == "dspark":
+        config_class = DSparkSpeculatorConfig
+        extra = {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+                 "enable_confidence_head": cfg.confidence_head,
+                 "confidence_head_with_markov": cfg.confidence_head_with_markov}
+    elif cfg.variant == "dflash2":
         config_class = DFlash2SpeculatorConfig  # architectures ["DFlash2DraftModel"]
-        dflash2 = {k: getattr(cfg, k) for k in DFLASH2_DEFAULTS}
+        extra = {k: getattr(cfg, k) for k in DFLASH2_DEFAULTS}
     return config_class(
-        **dflash2,
+        **extra,
         transformer_layer_config=layer_config,
         draft_vocab_size=cfg.vocab_size,  # full vocabulary: no lm_head / d2t / t2d are saved
         block_size=cfg.block_size,

@@ -156,22 +156,40 @@ def block_pieces(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens
     return (sums * coefs).sum(), sums.detach(), labels, correct, alpha.detach() * valid
 
 
-def _chunked_pieces(h, th, tokens, valid, head, cfg, chunk: int, grad: torch.Tensor | None):
-    """block_pieces over chunks of `chunk` blocks, from hidden states h, th [n, K, H]. With `grad`
-    ([n, K, H]), also writes there the gradient of the numerator with respect to h."""
+def _draft_logits(head, h: torch.Tensor, bias: tuple | None) -> torch.Tensor:
+    """head(h), plus the low-rank bias u . w2^T when given (bias = (u [.., r], w2 [V, r]))."""
+    logits = head(h)
+    return logits if bias is None else logits + F.linear(bias[0].to(logits.dtype), bias[1].to(logits.dtype))
+
+
+def _chunked_pieces(h, th, tokens, valid, head, cfg, chunk: int, grad: torch.Tensor | None, bias=None,
+                    bias_grads=None):
+    """block_pieces over chunks of `chunk` blocks, from hidden states h, th [n, K, H] (and the
+    draft logits' low-rank bias (u [n, K, r], w2 [V, r])). With `grad` ([n, K, H]), also writes
+    there the gradient of the numerator with respect to h, and with the bias into bias_grads
+    (the gradient for u [n, K, r]; the one for w2 [V, r], summed over chunks)."""
     numerator, sums, per_slot = 0.0, 0.0, []
     for i in range(0, h.shape[0], chunk):
         rows = slice(i, i + chunk)
         with torch.no_grad():
             t_logits = head(th[rows])
+        chunk_bias = None if bias is None else (bias[0][rows], bias[1])
         if grad is None:
             with torch.no_grad():
-                num, s, *slots = block_pieces(head(h[rows]), t_logits, tokens[rows], valid[rows], cfg)
+                num, s, *slots = block_pieces(_draft_logits(head, h[rows], chunk_bias), t_logits, tokens[rows],
+                                              valid[rows], cfg)
         else:
             with torch.enable_grad():
-                hc = h[rows].detach().requires_grad_()
-                num, s, *slots = block_pieces(head(hc), t_logits, tokens[rows], valid[rows], cfg)
-                grad[rows] = torch.autograd.grad(num, hc)[0]
+                leaves = [h[rows].detach().requires_grad_()]
+                if chunk_bias is not None:
+                    leaves += [t.detach().requires_grad_() for t in chunk_bias]
+                num, s, *slots = block_pieces(_draft_logits(head, leaves[0], leaves[1:] or None), t_logits,
+                                              tokens[rows], valid[rows], cfg)
+                grads = torch.autograd.grad(num, leaves)
+                grad[rows] = grads[0]
+                if chunk_bias is not None:
+                    bias_grads[0][rows] = grads[1]
+                    bias_grads[1].add_(grads[2])
             num = num.detach()
         numerator, sums = numerator + num, sums + s
         per_slot.append(slots)
@@ -183,46 +201,57 @@ class ChunkedBlockLoss(torch.autograd.Function):
     """block_pieces from hidden states through a frozen LM head, chunk by chunk: the forward
     computes each chunk's logits, terms and d numerator / d h together and keeps only the
     [n, K, H] gradient; backward scales it by the incoming gradient. Same value and gradient
-    as autograd over the whole batch, peak memory of one chunk's [chunk x K, V] tensors."""
+    as autograd over the whole batch, peak memory of one chunk's [chunk x K, V] tensors.
+    A low-rank logit bias u . w2^T (DSpark's Markov head) is trained the same way: its
+    gradients for u and w2 are kept beside the one for h."""
 
     @staticmethod
-    def forward(ctx, h, th, tokens, valid, head, cfg, chunk):
+    def forward(ctx, h, th, tokens, valid, head, cfg, chunk, u=None, w2=None):
         grad = torch.empty_like(h)
-        numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk, grad)
-        ctx.save_for_backward(grad)
+        bias = None if u is None else (u, w2)
+        bias_grads = None if u is None else (torch.empty_like(u), torch.zeros_like(w2))
+        numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk, grad,
+                                                                  bias, bias_grads)
+        ctx.save_for_backward(grad, *(bias_grads or ()))
         ctx.mark_non_differentiable(sums, labels, correct, alpha)
         return numerator, sums, labels, correct, alpha
 
     @staticmethod
     def backward(ctx, g, *_):
-        (grad,) = ctx.saved_tensors
-        return grad * g.to(grad.dtype), None, None, None, None, None, None
+        grad, *bias_grads = ctx.saved_tensors
+        scaled = [x * g.to(x.dtype) for x in bias_grads] or [None, None]
+        return grad * g.to(grad.dtype), None, None, None, None, None, None, *scaled
 
 
 def dflash_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, head: torch.nn.Module,
                 tokens: torch.Tensor, valid: torch.Tensor, cfg,
-                normalizer: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict]:
+                normalizer: torch.Tensor | float | None = None,
+                markov_bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
     """draft_hidden [b, A, K, H] (the drafter's states for slots 1..K); target_hidden [b, A, K, H]
     (the target's final-normed state that predicts each slot's token); head: the target's frozen
     LM head; tokens [b, A, K] the data's tokens at the slots; valid [b, A, K] bool; cfg: the
-    recipe's LossConfig. Returns loss = numerator / normalizer (default: this batch's
-    loss_divisor) and detached metrics: terms [T] (each term's share, same divisor, cfg.terms
-    order), labels, correct, valid, alpha [b, A, K]."""
+    recipe's LossConfig; markov_bias: DSpark's Markov logit bias as (u [b, A, K, r], w2 [V, r]),
+    the drafter's logits being head(h) + u . w2^T (both trained). Returns loss = numerator /
+    normalizer (default: this batch's loss_divisor) and detached metrics: terms [T] (each term's
+    share, same divisor, cfg.terms order), labels, correct, valid, alpha [b, A, K]."""
     b, A, K, H = draft_hidden.shape
     h, th = draft_hidden.reshape(b * A, K, H), target_hidden.reshape(b * A, K, H)
     tok, ok = tokens.reshape(b * A, K), valid.reshape(b * A, K)
+    u, w2 = (None, None) if markov_bias is None else (markov_bias[0].reshape(b * A, K, -1), markov_bias[1])
     if cfg.chunk_slots == 0:
         with torch.no_grad():
             t_logits = head(th)
-        numerator, sums, labels, correct, alpha = block_pieces(head(h), t_logits, tok, ok, cfg)
+        numerator, sums, labels, correct, alpha = block_pieces(_draft_logits(head, h, None if u is None else (u, w2)),
+                                                               t_logits, tok, ok, cfg)
     else:
         if any(p.requires_grad for p in head.parameters()):
             raise ValueError("the chunked loss takes a frozen LM head (set loss.chunk_slots=0 to train one)")
         chunk = max(1, cfg.chunk_slots // K)  # whole blocks: D-PACE and AUF act along a block
         if torch.is_grad_enabled() and h.requires_grad:
-            numerator, sums, labels, correct, alpha = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg, chunk)
+            numerator, sums, labels, correct, alpha = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg, chunk, u, w2)
         else:
-            numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tok, ok, head, cfg, chunk, None)
+            numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tok, ok, head, cfg, chunk, None,
+                                                                      None if u is None else (u, w2))
     divisor = loss_divisor(valid, cfg, numerator.dtype).clamp(min=1e-8) if normalizer is None else normalizer
     shape = (b, A, K)
     return numerator / divisor, {"terms": sums / divisor, "labels": labels.view(shape),

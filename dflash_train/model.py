@@ -43,6 +43,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_train import dflash2
+from dflash_train.dspark import dspark_heads
 
 
 @dataclass
@@ -66,7 +67,13 @@ class DrafterConfig:
     attention_bias: bool = False
     # In-block attention: DFlash's bidirectional block, or JetSpec-style causal (slot i sees <= i).
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    # DSpark (dflash_train/dspark.py): a Markov logit-bias head of rank markov_rank (0: none) and a
+    # confidence head, whose input includes the Markov embedding when confidence_head_with_markov.
     variant: str = "dflash"
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
     # DFlash2 (0 for other variants): taps of each local convolution, hidden channels sharing one
     # dynamic kernel, and the candidate selector's rank and candidates per slot (dflash2.py).
     conv_kernel_size: int = 0
@@ -277,6 +284,8 @@ class DFlashDrafter(nn.Module):
         self.gradient_checkpointing = False  # training sets it from the recipe
         self.flex_attention = False  # training forward: block-sparse flex attention instead of a dense mask
         self.apply(self._init_weights)
+        # DSpark's heads (None for DFlash), applied by the caller after the backbone (dflash_train/dspark.py)
+        self.markov_head, self.confidence_head = dspark_heads(config)
         for layer in self.layers:  # DFlash2: back to the identity that _init_weights overwrote
             for conv_ in (layer.attention_conv, layer.mlp_conv):
                 if conv_ is not None:

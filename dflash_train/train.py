@@ -32,22 +32,25 @@ from pathlib import Path
 
 import torch
 import yaml
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.blocks import BlockOutputs, anchored_blocks, block_slots, ddtree_acceptance, draw_anchors
+from dflash_train.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts, ddtree_acceptance,
+                                 draw_anchors)
 from dflash_train.checkpoint import (check_resumable, count_parameters, init_drafter, load_checkpoint,
                                      newest_checkpoint, save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import check_data_path, collate, load_conversations
-from dflash_train.dflash2 import selector_loss
+from dflash_train.dflash2 import CandidateSelector, SelectorScorer, selector_loss
+from dflash_train.dspark import MarkovHead, MarkovScorer, confidence_loss
 from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
                                   gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
                                   make_accelerator, shards_itself, whole_model_loading)
 from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
 from dflash_train.hs_cache import check_complete, open_cache
-from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, loss_divisor
+from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss, exp_weights, loss_divisor
 from dflash_train.outputs import (KINDS, MARKER, check_folder_path, is_empty, marker_kind, model_source,
                                   refuse_overlap, resolve_input, sibling, write_marker)
 from dflash_train.progress import BAR_INTERVAL
@@ -89,15 +92,19 @@ def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: 
 @torch.no_grad()
 def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
     """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
-    EAL and teacher-forced DDTree tau at the recipe's budgets, with fixed anchors; each process
-    takes every P-th conversation and the counts are summed, so the result does not depend on
-    the process count."""
+    EAL and teacher-forced DDTree tau at the recipe's budgets with the on-/off-spine accuracy of
+    the largest tree (path-conditioned for DSpark) and DSpark's confidence calibration, with
+    fixed anchors; each process takes every P-th conversation and the counts are summed, so the
+    result does not depend on the process count."""
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
     budgets, T, K = cfg.eval.ddtree_budgets, len(term_names(cfg)), B - 1
-    # loss and term numerators, the divisor, acceptance counts, tree counts: all summable
-    totals = torch.zeros(1 + T + 1 + 3 * K + 2 + len(budgets) + 1, dtype=torch.float64)
+    # loss and term numerators, the divisor, acceptance counts, tree + spine counts, confidence
+    # calibration: all summable
+    sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
+    totals = torch.zeros(sum(sizes), dtype=torch.float64)
+    conditional = cpu_tree_scorer(model)  # DSpark's / DFlash2's path-conditioned trees are built on CPU
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
@@ -111,25 +118,81 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
             loss_sum, m = training_loss(o, target, model, cfg, normalizer=1.0)
             if not chunk:
                 continue
-            # teacher-forced trees from the drafter's block distributions, a chunk of blocks at a time
-            hidden, labels, valid = (x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks]
-                                     for x in (o.draft_hidden, m["labels"], o.valid))
-            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(hidden)
-            tree = sum((ddtree_acceptance(target.lm_head(hidden[j : j + n]).float().cpu(), labels[j : j + n].cpu(),
-                                          valid[j : j + n].cpu(), budgets, n)
-                        for j in range(0, len(hidden), n)), torch.zeros(len(budgets) + 1, dtype=torch.float64))
+            # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
+            # backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at a time
+            flat = [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.draft_hidden, m["labels"], o.valid)]
+            if conditional is not None:
+                flat += [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.block_hidden, o.bonus)]
+            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(flat[0])
+            tree = torch.zeros(sizes[2], dtype=torch.float64)
+            for j in range(0, len(flat[0]), n):
+                hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
+                tree += ddtree_acceptance(target.lm_head(hidden).float().cpu(), labels.cpu(), valid.cpu(), budgets, n,
+                                          conditional, *(x.float().cpu() if x.is_floating_point() else x.cpu()
+                                                       for x in path_inputs))
+        calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
+            confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
         totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
                                           loss_divisor(o.valid, cfg.loss).double().cpu()]),
-                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree])
+                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    divisor = totals[1 + T].clamp(min=1e-8)
-    counts, tree = totals[2 + T : 2 + T + 3 * K + 2], totals[2 + T + 3 * K + 2 :]
-    blocks = max(tree[-1].item(), 1.0)
-    return {"loss": (totals[0] / divisor).item(),
-            "terms": {name: (totals[1 + t] / divisor).item() for t, name in enumerate(term_names(cfg))},
-            **acceptance_metrics(counts),
-            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)}}
+    head, counts, tree, calibration = totals.split(sizes)
+    divisor = head[1 + T].clamp(min=1e-8)
+    blocks = max(tree[len(budgets)].item(), 1.0)
+    on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
+    out = {"loss": (head[0] / divisor).item(),
+           "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(term_names(cfg))},
+           **acceptance_metrics(counts),
+           "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
+           "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
+           "off_spine_nodes": int(off_n)}
+    if model.confidence_head is not None:
+        predicted, alpha, n = calibration.view(3, K)
+        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
+                             "alpha": (alpha / n.clamp(min=1)).tolist()}
+    return out
+
+
+def cpu_tree_scorer(model):
+    """For validation's path-conditioned trees: (block hidden [B, H], bonus) -> the block's scorer,
+    over a CPU float32 copy of DSpark's Markov head or DFlash2's selector (gathered from its shards
+    under FSDP, so every process calls this); None for DFlash."""
+    head = model.markov_head if model.markov_head is not None else model.candidate_selector
+    if head is None:
+        return None
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
+             for k, v in head.state_dict().items()}
+    c = model.config
+    if model.markov_head is not None:
+        copy, scorer = MarkovHead(c.vocab_size, head.rank, c.hidden_size, head.head_type), MarkovScorer
+    else:
+        copy, scorer = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k), SelectorScorer
+    copy.load_state_dict(state)
+    return partial(scorer, copy.eval())
+
+
+def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
+    """The recipe's loss on the anchored blocks (a DSpark drafter's logits carry its Markov bias),
+    plus, for DSpark's confidence head, loss.confidence_weight x its BCE toward the detached
+    per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
+    the same normaliser; for DFlash2, loss.selector_weight x the selector's candidate CE (the
+    terms' slot weights, the same normaliser), reported as the term "selector", and the chain's
+    hits are then the selector walk's (teacher-forced, dflash2.selector_loss)."""
+    bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
+    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                          normalizer=normalizer, markov_bias=bias)
+    if o.confidence_logits is not None and cfg.loss.confidence_weight:
+        w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
+        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w, normalizer)
+    if model.candidate_selector is not None:
+        block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's tokens, slots 0..B-1
+        sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens, target.lm_head,
+                                        m["labels"], o.valid, cfg.loss, normalizer)
+        m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
+        m["correct"] = correct
+        loss = loss + cfg.loss.selector_weight * sel
+    return loss, m
 
 
 def term_names(cfg: RunConfig) -> list[str]:
@@ -137,20 +200,19 @@ def term_names(cfg: RunConfig) -> list[str]:
     return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
 
 
-def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
-    """The recipe's loss on the anchored blocks; for DFlash2 plus loss.selector_weight x the
-    selector's candidate CE (same slot weights and normaliser), reported as the term "selector",
-    and the chain's hits are the selector walk's (teacher-forced, dflash2.selector_loss)."""
-    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
-                          normalizer=normalizer)
-    if model.candidate_selector is None:
-        return loss, m
-    block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's tokens at slots 0..B-1
-    sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens, target.lm_head,
-                                    m["labels"], o.valid, cfg.loss, normalizer)
-    m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
-    m["correct"] = correct
-    return loss + cfg.loss.selector_weight * sel, m
+def check_heads_engine(variant: str, engine: str, accelerator) -> None:
+    """DSpark's heads and DFlash2's selector run after the backbone's forward (and use W2 / the
+    successor codebook inside the loss), outside any sharded unit's forward: FSDP must keep
+    parameters unsharded from forward to backward (recipes/accelerate/fsdp_dspark.yaml, for both)
+    and ZeRO-3, which gathers them per module forward, cannot serve them."""
+    if variant not in ("dspark", "dflash2"):
+        return
+    if engine == "fsdp" and os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true":
+        raise UserError(f"model.variant={variant} under FSDP needs fsdp_reshard_after_forward: false "
+                        "(launch with --config_file recipes/accelerate/fsdp_dspark.yaml)")
+    if engine == "deepspeed" and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise UserError(f"model.variant={variant} does not run under DeepSpeed ZeRO-3 (its heads' weights are used "
+                        "outside a module forward): use ZeRO-2 or recipes/accelerate/fsdp_dspark.yaml")
 
 
 def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
@@ -322,6 +384,7 @@ def train(cfg: RunConfig) -> None:
     drafter = init_drafter(target, cfg.model)
     if resume:
         check_resumable(resume, drafter)
+    check_heads_engine(cfg.model.variant, engine, accelerator)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
         raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
@@ -447,7 +510,11 @@ def train(cfg: RunConfig) -> None:
                            "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
                            "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
                            "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
-                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()}})
+                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
+                           **{f"val_{k}": None if val[k] is None else round(val[k], 4)
+                              for k in ("on_spine_acc", "off_spine_acc")}})
+            if "confidence" in val:  # DSpark: the confidence head's calibration per slot
+                record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -511,7 +578,7 @@ def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, op
 def flat_for_tracker(record: dict) -> dict:
     """metrics.jsonl record -> scalar keys for wandb (loss/<term>, alpha_k, val/loss/<term>,
     val/acc_k, val/alpha_k, val/ddtree_tau@budget)."""
-    flat = {k: v for k, v in record.items() if not isinstance(v, (list, dict))}
+    flat = {k: v for k, v in record.items() if v is not None and not isinstance(v, (list, dict))}
     for key, prefix in [("terms", "loss/"), ("val_terms", "val/loss/")]:
         for name, v in record.get(key, {}).items():
             flat[prefix + name] = v

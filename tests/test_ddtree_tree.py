@@ -175,3 +175,119 @@ def test_cuda_input_gives_cpu_tree():
     logits = torch.randn(15, 1000)
     a, b = build_tree(logits.cuda(), 64), build_tree(logits, 64)
     assert a.tokens.device.type == "cpu" and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+# --- the path-conditioned tree (DSpark): the same brute force under conditional scores ---------
+
+def markov_reference(head, base: torch.Tensor, hidden: torch.Tensor, bonus: int, candidates: int):
+    """The distribution dspark.MarkovScorer documents, recomputed in float64 with the head's own
+    `step`: cond_logp(path)[v] = log p(token v at depth len(path)+1 | the path's tokens), and the
+    candidate tokens of each depth (the backbone's top-M, the only tokens a tree node may carry)."""
+    import copy
+
+    head = copy.deepcopy(head).double()
+    base, hidden = base.double(), hidden.double()
+    cand = torch.topk(base, min(candidates, base.shape[1]), dim=-1).indices  # [L, M]
+
+    def cond_logp(path: tuple) -> list[float]:
+        d = len(path)
+        prevs = [bonus, bonus, *path]  # the previous token of block slots 0, 1, ..., d + 1
+        state = torch.zeros(head.rank, dtype=torch.float64) if head.head_type == "rnn" else None
+        for slot in range(d + 2):
+            u, state = head.step(state, head.markov_w1.weight[prevs[slot]], hidden[slot])
+        z = base[d].clone()
+        z[cand[d]] += head.markov_w2.weight[cand[d]] @ u  # the bias on the candidate columns only
+        return torch.log_softmax(z, -1).tolist()  # normalised over the whole vocabulary
+
+    return cond_logp, cand.tolist()
+
+
+def conditional_order(cond_logp, cand: list[list[int]]) -> tuple[list[tuple], dict[tuple, float]]:
+    """Every path of candidate tokens up to depth L, best first by (score, rank path), where a
+    token's rank is its place among its parent's children (by the parent's conditional log-prob)."""
+    scored, scores = [], {}
+    frontier = [((), 0.0, ())]
+    for d in range(len(cand)):
+        nxt = []
+        for path, score, ranks in frontier:
+            logp = cond_logp(path)
+            for r, v in enumerate(sorted(cand[d], key=lambda v: -logp[v])):
+                p, s = path + (v,), score + logp[v]
+                scores[p] = s
+                scored.append((-round(s, 9), ranks + (r,), p))
+                nxt.append((p, s, ranks + (r,)))
+        frontier = nxt
+    scored.sort()
+    return [p for _, _, p in scored], scores
+
+
+def random_markov_scorer(head_type: str, L: int, V: int, candidates: int, seed: int):
+    from dflash_train.dspark import MarkovHead, MarkovScorer
+
+    g = torch.Generator().manual_seed(seed)
+    H, r = 8, 4
+    head = MarkovHead(V, r, H, head_type)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))  # biases of the base logits' size
+    base, hidden = 2 * torch.randn(L, V, generator=g), torch.randn(L + 1, H, generator=g)
+    bonus = int(torch.randint(0, V, (1,), generator=g))
+    return head, base, hidden, bonus, MarkovScorer(head, hidden, bonus, candidates)
+
+
+@pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("L, V, candidates", [(2, 4, 2), (2, 4, 4), (3, 5, 1), (3, 5, 3), (3, 5, 99), (2, 30, 6)])
+def test_conditional_tree_matches_brute_force(head_type, L, V, candidates):
+    """The path-conditioned tree holds the top-`budget` prefixes under the conditional scores the
+    builder documents (the Markov bias on the backbone's top-`candidates` tokens per depth, the
+    exact conditional distribution once candidates >= V), for every budget."""
+    head, base, hidden, bonus, scorer = random_markov_scorer(head_type, L, V, candidates, seed=L * 100 + V + candidates)
+    cond_logp, cand = markov_reference(head, base, hidden, bonus, candidates)
+    paths, scores = conditional_order(cond_logp, cand)
+    M = min(candidates, V)
+    assert len(paths) == sum(M ** d for d in range(1, L + 1))
+    marginal = full_vocab_order(base)[1]
+    assert max(abs(scores[p] - marginal[p]) for p in paths) > 0.1  # the scores really are conditional
+    for budget in budgets_for(len(paths)):
+        tree = build_tree(base, budget, scorer)
+        check_tree(tree, paths[:max(budget, 0)], scores)
+        if budget > 0:  # each node's best child is its conditional argmax among the candidates
+            for i, p in enumerate(node_paths(tree), start=1):
+                if len(p) < L:
+                    logp = cond_logp(p)
+                    assert tree.best_child[i] == max(cand[len(p)], key=lambda v: logp[v])
+
+
+@pytest.mark.parametrize("candidates", [1, 3, 7, 40])
+def test_conditional_tree_without_bias_is_the_plain_tree(candidates):
+    """With W2 = 0 the conditional distribution is the backbone's marginal whatever the parent:
+    whenever the candidates cover the top-K (K = min(budget, V)), the tree is today's DDTree."""
+    for head_type in ["vanilla", "gated", "rnn"]:
+        head, base, hidden, bonus, scorer = random_markov_scorer(head_type, 4, 40, candidates, seed=candidates)
+        with torch.no_grad():
+            head.markov_w2.weight.zero_()
+        for budget in [b for b in [1, 3, 5, 7, 30, 120] if min(b, 40) <= candidates]:
+            a, b = build_tree(base, budget, scorer), build_tree(base, budget)
+            for name in ["tokens", "depths", "parents", "visibility"]:
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            torch.testing.assert_close(a.log_probs, b.log_probs, rtol=0, atol=1e-5)
+            assert a.children == b.children and a.ranks == b.ranks and a.best_child == b.best_child
+
+
+def test_spine_counts():
+    """Spine diagnostics on a hand-checked tree: V = 3, two depths, marginals (token 0 best at
+    depth 1, then token 1; token 2 best at depth 2)."""
+    from dflash_train.ddtree import spine_counts
+
+    logits = torch.tensor([[3.0, 2.0, -5.0], [-5.0, 0.0, 3.0]])
+    tree = build_tree(logits, budget=6)
+    # pop order: (0), (0,2), (1), (1,2), (0,1), (1,1)
+    assert node_paths(tree) == [(0,), (0, 2), (1,), (1, 2), (0, 1), (1, 1)]
+    assert tree.ranks == [0, 0, 1, 0, 1, 1] and tree.best_child == [0, 2, -1, 2, -1, -1, -1]
+    assert spine_counts(tree, [1, 2], [2, 7]) == [1, 1, 0, 0]  # on the spine, best child 2 is right
+    assert spine_counts(tree, [3, 4], [2, 0]) == [0, 0, 1, 1]  # off it (token 1 is rank 1), right again
+    assert spine_counts(tree, [3], [1]) == [0, 0, 0, 1]        # ... and wrong
+    assert spine_counts(tree, [3], [None]) == [0, 0, 0, 0]     # no known next token
+    chain = ddtree.chain_tree(torch.tensor([4, 5]))
+    assert chain.ranks == [0, 0] and chain.best_child == [4, 5, -1]
+    assert spine_counts(chain, [1, 2], [5, 9]) == [1, 1, 0, 0]

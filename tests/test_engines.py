@@ -17,7 +17,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from dflash_train.checkpoint import load_drafter
 
@@ -126,5 +125,27 @@ def test_single_gpu_config_launches(small_data, tmp_path):
 
 def test_every_shipped_config_is_covered():
     """A config added to recipes/accelerate/ must get a launch test here."""
-    launched = {"ddp.yaml", "fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "single_gpu.yaml"}
+    launched = {"ddp.yaml", "fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "single_gpu.yaml",
+                "fsdp_dspark.yaml"}
     assert {p.name for p in CONFIGS.glob("*.yaml")} == launched
+
+
+def test_dspark_under_fsdp_trains_like_one_process(small_data, tmp_path):
+    """DSpark's heads run after the backbone's forward (and W2 inside the loss): under
+    fsdp_dspark.yaml (parameters gathered until backward) 2 processes x batch 4 train the model
+    that 1 process x batch 8 trains."""
+    from dflash_train.train import main as train_main
+
+    dspark = ["model.variant=dspark", "model.markov_rank=16"]
+    steps = 3
+    sharded = tmp_path / "fsdp"
+    run(command("fsdp_dspark.yaml", sharded, small_data, steps=steps) + dspark)
+    assert json.loads((sharded / "summary.json").read_text())["engine"] == "fsdp"
+    single = tmp_path / "single"
+    args = command("fsdp_dspark.yaml", single, small_data, steps=steps)
+    train_main([a for a in args[args.index("dflash_train/train.py") + 1:] if a != "train.batch_size=4"]
+               + ["train.batch_size=8"] + dspark)
+    a, b = records(sharded), records(single)
+    assert [a[s]["loss"] for s in range(1, steps + 1)] == pytest.approx([b[s]["loss"] for s in range(1, steps + 1)],
+                                                                         rel=1e-5)
+    assert_same_weights(sharded / "final", single / "final")

@@ -76,6 +76,36 @@ def test_mask_token_id_for_tokenizers_without_a_mask_token(tiny_target):
         drafter_config_for(tiny_target, ModelConfig(mask_token="<|nope|>"))
 
 
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_dspark_recipes_are_their_dflash_recipe_plus_dspark(name):
+    """recipes/*-dspark.yaml: the DFlash recipe beside it with only the DSpark keys, DSpark's
+    published objective and the run folder changed."""
+    dflash = load_recipe(ROOT / "recipes" / f"{name}.yaml").model_dump()
+    dspark = load_recipe(ROOT / "recipes" / f"{name}-dspark.yaml").model_dump()
+    assert dspark["model"]["variant"] == "dspark" and dspark["model"]["markov_rank"] == 256
+    assert dspark["model"]["markov_head_type"] == "vanilla" and dspark["model"]["confidence_head"]
+    assert dspark["output_dir"] == dflash["output_dir"] + "-dspark"
+    assert dspark["loss"]["terms"] == {"ce": 0.1, "tv": 0.9} and dspark["loss"]["position_weight"] == "exp"
+    assert dspark["loss"]["confidence_weight"] == 1.0
+    dspark_keys = {("model", k) for k in ("variant", "markov_rank", "markov_head_type", "confidence_head")} | {
+        ("loss", "terms"), ("loss", "position_weight")}
+    for section, values in dflash.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                if (section, k) not in dspark_keys:
+                    assert dspark[section][k] == v, (section, k)
+
+
+def test_fsdp_dspark_config_keeps_parameters_unsharded_to_backward():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    c = load_config_from_file(str(ACCEL / "fsdp_dspark.yaml"))
+    base = load_config_from_file(str(ACCEL / "fsdp.yaml"))
+    assert c.distributed_type.value == "FSDP" and c.fsdp_config["fsdp_reshard_after_forward"] is False
+    assert {k: v for k, v in c.fsdp_config.items() if k != "fsdp_reshard_after_forward"} == {
+        k: v for k, v in base.fsdp_config.items() if k != "fsdp_reshard_after_forward"}
+
+
 DFLASH2_KEYS = {("model", k) for k in ("variant", "conv_kernel_size", "conv_group_size", "selector_rank",
                                        "selector_top_k")} | {("loss", "selector_weight")}
 

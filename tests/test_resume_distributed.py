@@ -140,7 +140,9 @@ def test_teacher_forced_tree_acceptance():
     at slot 1, and is sure of token 2 at slot 2; the target takes token 1 then 2. Best-first
     pops token 0, then its child (-0.64), then token 1 (-0.74), then token 1's child: so
     budgets 1, 2, 3, 8 accept 0, 0, 1, 2 tokens (the chain: 0). Block 1: the target follows
-    the argmax twice: 1, 2, 2, 2."""
+    the argmax twice: 1, 2, 2, 2. Spine counts (the largest tree): block 0's token 1 is off the
+    spine (rank 1) and its best child 2 is the target's next token; block 1's token 3 is on it
+    and so is its best child 2."""
     logits = torch.full((2, 2, 4), -10.0)
     logits[0, 0, 0], logits[0, 0, 1] = 5.0, 4.9
     logits[0, 1, 2] = 5.0
@@ -148,7 +150,7 @@ def test_teacher_forced_tree_acceptance():
     labels = torch.tensor([[1, 2], [3, 2]])
     valid = torch.ones(2, 2, dtype=torch.bool)
     counts = ddtree_acceptance(logits, labels, valid, [1, 2, 3, 8], max_blocks=10)
-    assert counts.tolist() == [0 + 1, 0 + 2, 1 + 2, 2 + 2, 2]
-    valid[1, 1] = False  # a slot past the response ends the walk
-    assert ddtree_acceptance(logits, labels, valid, [8], 10).tolist() == [2 + 1, 2]
-    assert ddtree_acceptance(logits, labels, valid, [8], max_blocks=1).tolist() == [2, 1]
+    assert counts.tolist() == [0 + 1, 0 + 2, 1 + 2, 2 + 2, 2, 1, 1, 1, 1]
+    valid[1, 1] = False  # a slot past the response ends the walk (and hides the next token)
+    assert ddtree_acceptance(logits, labels, valid, [8], 10).tolist() == [2 + 1, 2, 0, 0, 1, 1]
+    assert ddtree_acceptance(logits, labels, valid, [8], max_blocks=1).tolist() == [2, 1, 0, 0, 1, 1]

@@ -1,0 +1,273 @@
+"""DSpark's heads on the DFlash backbone (arXiv 2607.05147; speculators `models/dspark/`).
+
+The backbone drafts every block slot independently; DSpark adds a **Markov logit bias** so that
+slot k depends on the token at slot k-1, and a **confidence head** that predicts each slot's
+acceptance rate. With h_k the backbone's final hidden state of slot k and x_{k-1} the token at
+slot k-1 (for slot 1: the bonus token; slot 0 is the bonus token itself and its own previous
+token is taken to be the bonus token too, as speculators does with `sample_from_anchor: false`):
+
+    logits_k = lm_head(h_k) + W2 u_k                 W1 [V, r] embedding, W2 [V, r] (Linear r -> V)
+    vanilla: u_k = W1[x_{k-1}]
+    gated:   u_k = sigmoid(G [h_k ; W1[x_{k-1}]] + g) * W1[x_{k-1}]
+    rnn:     [a ; c ; o] = J [s_{k-1} ; W1[x_{k-1}] ; h_k] + j      s_{-1} = 0, the state runs from slot 0
+             s_k = sigmoid(a) * s_{k-1} + (1 - sigmoid(a)) * tanh(c),   u_k = tanh(o)
+    confidence_k = sigmoid(P [h_k ; W1[x_{k-1}]] + p)   (or P h_k + p without the Markov input)
+
+Training feeds the true previous tokens (teacher forcing); decoding feeds back the drafted ones
+(`markov_chain`, as vLLM's DSpark runtime drafts), and the draft tree feeds each node's own path
+(`MarkovScorer`, used by `ddtree.build_tree`). Parameter names are speculators' DSpark names:
+markov_head.{markov_w1, markov_w2, gate_proj, joint_proj}.*, confidence_head.proj.*.
+"""
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEAD_TYPES = ("vanilla", "gated", "rnn")
+# Candidate tokens per depth that the draft tree applies the Markov bias to (see MarkovScorer).
+TREE_CANDIDATES = 256
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, head_type: str):
+        super().__init__()
+        if rank <= 0 or head_type not in HEAD_TYPES:
+            raise ValueError(f"MarkovHead needs rank > 0 and a type in {HEAD_TYPES}, got {rank}, {head_type!r}")
+        self.head_type, self.rank = head_type, rank
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.gate_proj = nn.Linear(hidden_size + rank, rank) if head_type == "gated" else None
+        self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank) if head_type == "rnn" else None
+        nn.init.normal_(self.markov_w1.weight, std=0.01)  # speculators' init: a small bias to start from
+        for linear in (self.markov_w2, self.gate_proj, self.joint_proj):
+            if linear is not None:
+                nn.init.normal_(linear.weight, std=0.02)
+                if linear.bias is not None:
+                    nn.init.zeros_(linear.bias)
+
+    def step(self, state: torch.Tensor | None, prev_emb: torch.Tensor, hidden: torch.Tensor):
+        """One block slot k: state s_{k-1} [.., r] (rnn; None otherwise), prev_emb W1[x_{k-1}] [.., r],
+        hidden h_k [.., H] -> (u_k [.., r], s_k). The slot's bias is markov_w2(u_k)."""
+        if self.head_type == "vanilla":
+            return prev_emb, state
+        if self.head_type == "gated":
+            return torch.sigmoid(self.gate_proj(torch.cat([hidden, prev_emb], -1))) * prev_emb, state
+        a, c, o = self.joint_proj(torch.cat([state, prev_emb, hidden], -1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(a)
+        state = gate * state + (1.0 - gate) * torch.tanh(c)
+        return torch.tanh(o), state
+
+    def vectors(self, prev_emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """prev_emb [N, B, r], hidden [N, B, H] -> u [N, B, r] for every slot, teacher-forced."""
+        if self.head_type != "rnn":
+            return self.step(None, prev_emb, hidden)[0]
+        state, out = prev_emb.new_zeros(prev_emb.shape[0], self.rank), []
+        for k in range(prev_emb.shape[1]):
+            u, state = self.step(state, prev_emb[:, k], hidden[:, k])
+            out.append(u)
+        return torch.stack(out, dim=1)
+
+    def forward(self, prev_tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced: prev_tokens [N, B] (slot k's previous token), hidden [N, B, H] ->
+        (u [N, B, r] of every slot: slot k's bias is markov_w2(u_k); prev_emb [N, B, r] for the
+        confidence head). The [.., V] bias is left to the loss, which adds it chunk by chunk."""
+        prev_emb = self.markov_w1(prev_tokens)
+        return self.vectors(prev_emb, hidden.to(prev_emb.dtype)), prev_emb
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, hidden_size: int, markov_rank: int):
+        """markov_rank > 0: the input is [h_k ; W1[x_{k-1}]] (speculators' confidence_head_with_markov)."""
+        super().__init__()
+        self.with_markov = markov_rank > 0
+        self.proj = nn.Linear(hidden_size + markov_rank, 1)
+        nn.init.normal_(self.proj.weight, std=0.02)
+        nn.init.zeros_(self.proj.bias)
+
+    def forward(self, hidden: torch.Tensor, prev_emb: torch.Tensor | None) -> torch.Tensor:
+        """hidden [.., H], prev_emb [.., r] -> acceptance logits [..]."""
+        features = torch.cat([hidden, prev_emb.to(hidden.dtype)], -1) if self.with_markov else hidden
+        return self.proj(features).squeeze(-1)
+
+
+def dspark_heads(config) -> tuple[MarkovHead | None, ConfidenceHead | None]:
+    """The heads a DrafterConfig asks for: none for variant dflash."""
+    if config.variant != "dspark":
+        return None, None
+    markov = None
+    if config.markov_rank > 0:
+        markov = MarkovHead(config.vocab_size, config.markov_rank, config.hidden_size, config.markov_head_type)
+    if config.confidence_head_with_markov and markov is None:
+        raise ValueError("confidence_head_with_markov needs markov_rank > 0")
+    confidence = None
+    if config.confidence_head:
+        confidence = ConfidenceHead(config.hidden_size, config.markov_rank if config.confidence_head_with_markov else 0)
+    return markov, confidence
+
+
+def previous_tokens(block_tokens: torch.Tensor) -> torch.Tensor:
+    """[.., B] tokens at slots 0..B-1 -> [.., B] the token before each slot (slot 0: itself)."""
+    return torch.cat([block_tokens[..., :1], block_tokens[..., :-1]], dim=-1)
+
+
+def teacher_forced(drafter, hidden: torch.Tensor, block_tokens: torch.Tensor):
+    """Training and validation: the heads on the true previous tokens. hidden [b, A, B, H] (the
+    backbone's, every slot), block_tokens [b, A, B] (the true tokens at slots 0..B-1) ->
+    (u [b, A, K, r] of the drafted slots 1..B-1, whose logits are lm_head(h) + markov_w2(u), or
+    None without a Markov head; confidence logits [b, A, K] or None)."""
+    b, A, B, H = hidden.shape
+    flat_h, prev = hidden.reshape(b * A, B, H), previous_tokens(block_tokens).reshape(b * A, B)
+    u = prev_emb = None
+    if drafter.markov_head is not None:
+        u, prev_emb = drafter.markov_head(prev, flat_h)  # [bA, B, r] each
+        u = u[:, 1:].reshape(b, A, B - 1, -1)
+    confidence = None
+    if drafter.confidence_head is not None:
+        emb = prev_emb[:, 1:] if prev_emb is not None else None
+        confidence = drafter.confidence_head(flat_h[:, 1:], emb).view(b, A, B - 1)
+    return u, confidence
+
+
+def markov_logits(lm_head, markov_head: MarkovHead | None, hidden: torch.Tensor, u: torch.Tensor | None):
+    """Whole logits of drafted slots: lm_head(hidden) + markov_w2(u) (hidden [.., H], u [.., r])."""
+    logits = lm_head(hidden)
+    return logits if markov_head is None else logits + markov_head.markov_w2(u.to(logits.dtype))
+
+
+@torch.no_grad()
+def markov_chain(drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus: int):
+    """The greedy DSpark chain, drafted as vLLM's runtime does: slot k's logits are the backbone's
+    plus the Markov bias of the token drafted at slot k-1 (slot 1: the bonus token), over the full
+    vocabulary; its argmax is fed to slot k+1. hidden [B, H], base_logits [B-1, V] ->
+    (tokens [B-1] long, logits [B-1, V] with the bias, confidence logits [B-1] or None)."""
+    head, conf_head = drafter.markov_head, drafter.confidence_head
+    B = hidden.shape[0]
+    prev = torch.tensor(bonus, device=hidden.device)
+    state, logits, tokens, confidence = None, base_logits.clone(), [], []
+    if head is not None and head.head_type == "rnn":
+        state = hidden.new_zeros(head.rank)
+        _, state = head.step(state, head.markov_w1(prev), hidden[0])  # slot 0: the bonus token after itself
+    for k in range(1, B):
+        emb = None
+        if head is not None:
+            emb = head.markov_w1(prev)
+            u, state = head.step(state, emb, hidden[k])
+            logits[k - 1] += head.markov_w2(u)
+        prev = logits[k - 1].argmax()
+        tokens.append(prev)
+        if conf_head is not None:
+            confidence.append(conf_head(hidden[k], emb))
+    return torch.stack(tokens), logits, (torch.stack(confidence) if confidence else None)
+
+
+class MarkovScorer:
+    """Path-conditioned children for `ddtree.build_tree`: the children of a node carrying token x
+    at depth d are ranked by the drafter's slot-(d+1) distribution given x (gated: and h_{d+1};
+    rnn: given the recurrent state of the node's whole path).
+
+    The scores the tree uses, exactly: per depth d the candidate set C_d is the top-M tokens of the
+    backbone's logits b_d (M = min(candidates, V), ties as torch.topk breaks them). Given a node's
+    path, the drafter's distribution at depth d is taken with the Markov bias on the candidate
+    columns only, normalised over the whole vocabulary:
+        z(v) = b_d[v] + W2[v] . u   (v in C_d),     z(v) = b_d[v]   (every other v),
+        log p(v) = z(v) - logsumexp_V z,
+    and a node's children are the top-K candidates by p (K = min(budget, M); ties: the better
+    backbone rank first). So the tree holds the top-`budget` prefixes among those made of each
+    depth's candidates, with exact products of these probabilities. The non-candidates' mass
+    exp(logsumexp_V b_d) - sum_{C_d} exp(b_d) is computed in float64 from the float32
+    log-normaliser, exact to ~1e-6 of the total mass (clamped at 0). With candidates >= V this
+    is the drafter's exact conditional distribution; the approximation drops the Markov bias
+    outside the backbone's top-M tokens, and it is deterministic.
+
+    Cost: one top-M and one logsumexp over [L, V] (as the plain tree's top-K and normaliser), then
+    per expanded node an [M, r] mat-vec and a sort of M values (numpy, float32), with the W1 / W2
+    rows of a depth's candidates gathered when a node there is first expanded.
+    """
+
+    def __init__(self, head: MarkovHead, hidden: torch.Tensor, bonus: int, candidates: int = TREE_CANDIDATES):
+        """hidden [B, H]: the backbone's final hidden states of the block (slot 0 = the bonus token)."""
+        self.head, self.hidden, self.bonus, self.candidates = head, hidden, bonus, candidates
+
+    @torch.no_grad()
+    def expander(self, draft_logits: torch.Tensor, K: int):
+        """draft_logits [L, V] (the backbone's, depth d = row d-1) -> (expand, root token, root carry)
+        for `ddtree.best_first`. expand(token, carry, depth) scores the children of a node at
+        `depth` carrying `token`: (logp [K'], ids [K'], the carry its children share), K' = min(K, M).
+        The [L, V] work runs on draft_logits' device, the per-node work on float32 numpy arrays."""
+        head = self.head
+        logits = draft_logits.float()
+        L, V = logits.shape
+        M, K = min(self.candidates, V), min(K, self.candidates, V)
+        vals, ids = torch.topk(logits, M, dim=-1)  # [L, M] each depth's candidates, best first
+        lse = torch.logsumexp(logits, dim=-1)  # [L]
+        vals, ids_np, lse = vals.cpu().numpy(), ids.cpu().numpy(), lse.cpu().numpy().astype(np.float64)
+        if M < V:  # log-mass of the non-candidates (they keep their backbone logits)
+            cand_mass = np.exp(vals.astype(np.float64) - lse[:, None]).sum(-1)  # [L]
+            with np.errstate(divide="ignore"):
+                rest = (lse + np.log(np.maximum(1.0 - cand_mass, 0.0))).astype(np.float32)
+        else:
+            rest = np.full(L, -np.inf, dtype=np.float32)
+
+        r, H = head.rank, self.hidden.shape[-1]
+        w1_full, w2_full = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
+
+        def rows(w: torch.Tensor, index) -> np.ndarray:
+            """Rows of a weight (on its device, any dtype) as float32 numpy."""
+            index = torch.as_tensor(index, device=w.device)
+            return w.index_select(0, index.reshape(-1)).view(*index.shape, -1).to("cpu", torch.float32).numpy()
+
+        w1_rows: dict[int, tuple[np.ndarray, dict]] = {}  # depth -> (W1 of its candidates [M, r], token -> row)
+        w2_rows: dict[int, np.ndarray] = {}  # depth -> W2 of its candidates [M, r]
+
+        def w1_of(depth: int, token: int) -> np.ndarray:
+            if depth not in w1_rows:
+                w1_rows[depth] = rows(w1_full, ids_np[depth - 1]), dict(zip(ids_np[depth - 1].tolist(), range(M)))
+            table, column = w1_rows[depth]
+            return table[column[token]]
+
+        # gated: gate = sigmoid(G_h h_k + g + G_e e); rnn: [a; c; o] = J_s s + J_e e + J_h h_k + j.
+        # The h_k part depends on the slot only: one matmul for all slots (reads G_h / J_h once).
+        proj = head.gate_proj if head.head_type == "gated" else head.joint_proj
+        if proj is not None:
+            w = proj.weight.detach()
+            w_h = w[:, :H] if head.head_type == "gated" else w[:, 2 * r:]  # gate_proj reads [h ; e], joint [s ; e ; h]
+            slot_part = torch.addmm(proj.bias.detach(), self.hidden.to(w.device, w.dtype), w_h.T)
+            slot_part = slot_part.to("cpu", torch.float32).numpy()  # [B, r] or [B, 3r]
+            # the rest of the weight: G_e [r, r], or [J_s J_e] [3r, 2r] applied to [s ; e] at once
+            emb_w = (w[:, H:] if head.head_type == "gated" else w[:, :2 * r]).to("cpu", torch.float32).numpy()
+
+        def vector(e: np.ndarray, carry, slot: int):
+            """u of block slot `slot` after a token with W1 row e, and the state after it (rnn)."""
+            if head.head_type == "vanilla":
+                return e, None
+            if head.head_type == "gated":
+                return e / (1.0 + np.exp(-(slot_part[slot] + emb_w @ e))), None
+            a, c, o = np.split(slot_part[slot] + emb_w @ np.concatenate([carry, e]), 3)
+            gate = 1.0 / (1.0 + np.exp(-a))
+            return np.tanh(o), gate * carry + (1.0 - gate) * np.tanh(c)
+
+        bonus_emb = rows(w1_full, [self.bonus])[0]  # [r]
+
+        def expand(token: int, carry, depth: int):
+            u, child_carry = vector(bonus_emb if depth == 0 else w1_of(depth, token), carry, depth + 1)
+            if depth not in w2_rows:
+                w2_rows[depth] = rows(w2_full, ids_np[depth])
+            z = vals[depth] + w2_rows[depth] @ u  # [M] the candidates' logits with the bias
+            peak = z.max()
+            log_norm = np.logaddexp(rest[depth], peak + np.log(np.exp(z - peak).sum()))
+            order = np.argsort(-z, kind="stable")[:K]  # ties: the better backbone rank first
+            return (z[order] - log_norm).tolist(), ids_np[depth, order].tolist(), child_carry
+
+        root_carry = None
+        if head.head_type == "rnn":  # slot 0 advances the state (its own prediction is not drafted)
+            _, root_carry = vector(bonus_emb, np.zeros(r, dtype=np.float32), 0)
+        return expand, self.bonus, root_carry
+
+
+def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weights: torch.Tensor,
+                    normalizer) -> torch.Tensor:
+    """BCE of the confidence head toward the detached acceptance rate, slot-weighted and
+    normalised like the main loss. confidence_logits, alpha, weights [b, A, K]."""
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), alpha.detach().float(), reduction="none")
+    return (bce * weights).sum() / normalizer

@@ -40,8 +40,11 @@ def test_training_reports_the_selector(dflash2_run):
         assert set(r["terms"]) == {"ce", "selector"}
         assert r["loss"] == pytest.approx(r["terms"]["ce"] + r["terms"]["selector"], abs=1e-5)
     assert set(records[-1]["val_terms"]) == {"ce", "selector"}
-    summary = json.loads((dflash2_run / "summary.json").read_text())
-    assert summary["eval"]["eal"] > 1.3  # the grown drafter drafts well from the start
+    summary = json.loads((dflash2_run / "summary.json").read_text())["eval"]
+    assert summary["eal"] > 1.3  # the grown drafter drafts well from the start
+    # validation's trees are the selector's: the spine diagnostics are there, off-spine nodes included
+    assert set(summary["ddtree_tau"]) == {"4", "16"} and summary["off_spine_nodes"] > 0
+    assert 0 <= summary["off_spine_acc"] <= 1 and 0 <= summary["on_spine_acc"] <= 1
 
 
 @torch.no_grad()
@@ -73,15 +76,46 @@ def test_chain_is_the_greedy_selector_walk(tiny_target):
     assert differs > 0  # the selector really re-ranked (the chain is not the unary argmax)
 
 
-@pytest.mark.parametrize("method, budget", [("dflash", 0), ("ddtree", 1), ("ddtree", 4), ("ddtree", 16),
-                                            ("ddtree", 64), ("ddtree", 256)])
-def test_lossless_at_temperature_0(tiny_target, drafter, method, budget):
+@pytest.fixture(scope="module")
+def greedy(tiny_target):
     stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
+    prompts = [chat_prompt(tiny_target.tokenizer, q) for q in QUESTIONS]
+    return stops, [(ids, decode(tiny_target, None, ids, "ar", max_new_tokens=48, stop_ids=stops).tokens)
+                   for ids in prompts]
+
+
+@pytest.mark.parametrize("method, budget, scores", [("dflash", 0, "conditional")] + [
+    ("ddtree", b, s) for s in ("conditional", "marginal") for b in (1, 4, 16, 64, 256)])
+def test_lossless_at_temperature_0(tiny_target, drafter, greedy, method, budget, scores):
+    """The selector chain, the selector tree and the tree from the unary marginals, at every budget."""
+    stops, references = greedy
     emitted = rounds = 0
-    for q in QUESTIONS:
-        ids = chat_prompt(tiny_target.tokenizer, q)
-        ar = decode(tiny_target, None, ids, "ar", max_new_tokens=48, stop_ids=stops)
-        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=48, stop_ids=stops)
-        assert r.tokens == ar.tokens, q
+    for ids, reference in references:
+        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=48, stop_ids=stops, tree_scores=scores)
+        assert r.tokens == reference
         emitted, rounds = emitted + sum(r.accept_lengths), rounds + len(r.accept_lengths)
     assert emitted / rounds > 1.3  # drafts were accepted: compaction and the context cache were exercised
+
+
+@torch.no_grad()
+def test_selector_tree_is_what_decoding_verifies(tiny_target, drafter, monkeypatch):
+    """With tree_scores conditional, decoding verifies exactly build_tree(unary, budget, SelectorScorer)
+    for each block; with marginal, the plain tree of the same unary logits."""
+    from dflash_train import decode as decode_module
+    from dflash_train.ddtree import build_tree
+
+    seen = []
+    real = decode_module.build_tree
+    monkeypatch.setattr(decode_module, "build_tree", lambda logits, budget, scorer=None: seen.append(
+        (logits.clone(), scorer)) or real(logits, budget, scorer))
+    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
+    ids = chat_prompt(tiny_target.tokenizer, QUESTIONS[0])
+    for scores in ("conditional", "marginal"):
+        seen.clear()
+        decode(tiny_target, drafter, ids, "ddtree", 32, max_new_tokens=24, stop_ids=stops, tree_scores=scores)
+        assert seen and all((scorer is None) == (scores == "marginal") for _, scorer in seen)
+        if scores == "conditional":
+            logits, scorer = seen[0]
+            assert isinstance(scorer, dflash2.SelectorScorer) and scorer.selector is drafter.candidate_selector
+            ours, plain = build_tree(logits, 32, scorer), build_tree(logits, 32)
+            assert ours.tokens.tolist() != plain.tokens.tolist()  # the selector changes the tree

@@ -7,12 +7,15 @@ then decoded by dflash-eval (temperature 0, lossless) on the bundled prompts.
 
 Rows: DFlash (the tiny recipe), DFlash2 with the DDTree built from its unary marginals alone
 (`--tree-scores marginal`), DFlash2 with the selector's path-conditioned tree (`conditional`).
-Columns: tau of the chain (DFlash2's is the greedy selector walk) and of DDTree at budgets 16 /
-64 / 256 (tokens per target forward, bonus included), off-spine accuracy at budget 256 (walking
-the accepted path, how often the drafter's best child under an accepted non-argmax node is the
-target's next token; ddtree.spine_counts) with its node count, on-spine accuracy, lossless, and
-the wall time per training step relative to DFlash, measured in one process by alternating
-optimizer steps of the two drafters on the same batches (`--timing-steps` each, medians).
+Columns as in the issue-12 table (benchmarks/README.md): tau of the chain (DFlash2's is the
+greedy selector walk) and of DDTree at budgets 16 / 64 / 256 (tokens per target forward, bonus
+included), off-spine accuracy at budget 64 (along the accepted path, how often the drafter's best
+child under an accepted node that was not the drafter's argmax is the target's next token;
+ddtree.spine_counts) with its node count, on-spine accuracy, training's teacher-forced validation
+(EAL, DDTree @16 / @64, off- / on-spine of the budget-64 tree; DFlash2's validation trees are the
+selector's), lossless, and the wall time per training step relative to DFlash, measured in one
+process by alternating optimizer steps of the two drafters on the same batches
+(`--timing-steps` each, medians).
 Writes OUTPUT/{dflash,dflash2}/ (run + evals), OUTPUT/dflash2_table.md and .json.
 """
 
@@ -35,6 +38,7 @@ ROWS = [("DFlash (tiny recipe)", "dflash", "marginal"),
         ("DFlash2, tree from the unary marginals", "dflash2", "marginal"),
         ("DFlash2, selector tree", "dflash2", "conditional")]
 BUDGETS = [16, 64, 256]
+SPINE_BUDGET = 64
 
 
 def run(cmd: list[str], log: Path, env: dict) -> None:
@@ -47,10 +51,10 @@ def run(cmd: list[str], log: Path, env: dict) -> None:
 def eval_row(report: dict) -> dict:
     by = {(r["method"], r["budget"]): r for r in report["results"]}
     chain = next(r for r in report["results"] if r["method"] == "dflash")
-    big = by[("ddtree", BUDGETS[-1])]
+    spine = by[("ddtree", SPINE_BUDGET)]
     return {"tau_chain": chain["tau"], **{f"tau_ddtree_{b}": by[("ddtree", b)]["tau"] for b in BUDGETS},
-            "off_spine_acc": big["off_spine_acc"], "off_spine_nodes": big["off_spine_nodes"],
-            "on_spine_acc": big["on_spine_acc"],
+            "off_spine_acc": spine["off_spine_acc"], "off_spine_nodes": spine["off_spine_nodes"],
+            "on_spine_acc": spine["on_spine_acc"],
             "lossless": all(r["lossless"] for r in report["results"] if r["method"] != "ar"),
             "prompts": chain["prompts"]}
 
@@ -113,8 +117,7 @@ def main():
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
-    common = [f"seed={args.seed}", "checkpoint_every=0", "eval.every=0", f"eval.ddtree_budgets={BUDGETS}",
-              "overwrite=true", "log_every=1000", *([f"max_steps={args.steps}"] if args.steps else [])]
+    common = [f"seed={args.seed}", "overwrite=true", *([f"max_steps={args.steps}"] if args.steps else [])]
     for variant, recipe in RECIPES.items():
         run([sys.executable, "-m", "dflash_train.train", "--recipe", str(recipe),
              f"output_dir={out / variant / 'run'}", *common], out / f"{variant}.train.log", env)
@@ -123,13 +126,16 @@ def main():
         name = f"eval-{scores}"
         run([sys.executable, "-m", "dflash_train.eval", "--drafter", str(out / variant / "run" / "final"),
              "--budgets", ",".join(map(str, BUDGETS)), "--tree-scores", scores, "--max-new-tokens",
-             str(args.max_new_tokens), "--output", str(out / variant / name), "--overwrite", "--device", "cpu",
-             "--seed", str(args.seed), *(["--limit", str(args.limit)] if args.limit else [])],
+             str(args.max_new_tokens), "--output", str(out / variant / name), "--overwrite",
+             *(["--limit", str(args.limit)] if args.limit else [])],
             out / f"{variant}.{name}.log", env)
         report = json.loads((out / variant / name / "report.json").read_text())
         summary = json.loads((out / variant / "run" / "summary.json").read_text())
+        tf = summary["eval"]
         results.append({"label": label, "variant": variant, "tree_scores": scores, "steps": summary["steps"],
-                        "train_s": summary["wall_s"], **eval_row(report)})
+                        "train_s": summary["wall_s"], **eval_row(report), "tf_eal": tf["eal"],
+                        "tf_ddtree": [tf["ddtree_tau"][k] for k in ("16", "64")],
+                        "tf_spine": [tf["off_spine_acc"], tf["on_spine_acc"]]})
         print(f"{label}: {results[-1]}", flush=True)
 
     torch.set_num_threads(args.threads)
@@ -142,12 +148,17 @@ def main():
     def f(x, digits=3):
         return "n/a" if x is None else f"{x:.{digits}f}"
 
-    lines = ["| row | chain tau | DDTree tau @16 / @64 / @256 | off-spine acc @256 (nodes) | on-spine acc @256 "
-             "| lossless | step time vs DFlash |", "|---|---:|---:|---:|---:|:-:|---:|"]
+    lines = ["| row | chain tau | DDTree tau @16 / @64 / @256 | off-spine acc @64 (nodes) | on-spine acc @64 "
+             "| TF EAL | TF DDTree @16 / @64 | TF off- / on-spine | lossless | step time vs DFlash |",
+             "|---|---:|---|---:|---:|---:|---|---|:-:|---:|"]
     for r in results:
-        lines.append(f"| {r['label']} | {f(r['tau_chain'])} | " + " / ".join(f(r[f'tau_ddtree_{b}']) for b in BUDGETS)
+        tf = r["tree_scores"] == "conditional" or r["variant"] == "dflash"  # validation's trees are conditional
+        lines.append(f"| {r['label']} | {f(r['tau_chain'], 2)} | "
+                     + " / ".join(f(r[f'tau_ddtree_{b}'], 2) for b in BUDGETS)
                      + f" | {f(r['off_spine_acc'])} ({r['off_spine_nodes']}) | {f(r['on_spine_acc'])} "
-                     f"| {'yes' if r['lossless'] else 'NO'} | {r['step_time_vs_dflash']:.2f}x |")
+                     f"| {f(r['tf_eal'], 2)} | " + (" / ".join(f(x, 2) for x in r["tf_ddtree"]) if tf else "-")
+                     + " | " + (" / ".join(f(x) for x in r["tf_spine"]) if tf else "-")
+                     + f" | {'yes' if r['lossless'] else 'NO'} | {r['step_time_vs_dflash']:.2f}x |")
     table = "\n".join(lines)
     note = (f"{results[0]['prompts']} prompts, {results[0]['steps']} steps, seed {args.seed}; step time: median of "
             f"{args.timing_steps} alternating steps, DFlash {1000 * median['dflash']:.0f} ms, DFlash2 "

@@ -206,3 +206,14 @@ def test_speculators_written_checkpoint_evaluates_and_fine_tunes(speculators_wri
     assert end.config.variant == "dflash2"
     for k, v in start.state_dict().items():
         torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
+
+
+def test_card_describes_dflash2(exported):
+    from huggingface_hub import ModelCard
+
+    card = ModelCard.load(exported / "README.md")
+    assert "dflash2" in card.data.tags
+    text = card.text
+    assert "# DFlash2 drafter for" in text and "A **DFlash2** drafter" in text
+    assert "rank-16 candidate selector re-ranks each slot's top-8 tokens" in text
+    assert "DFlash2DraftModel, method dflash" in text and "selector walk" in text

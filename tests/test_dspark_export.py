@@ -16,10 +16,10 @@ from dflash_train.checkpoint import load_drafter, save_drafter
 from dflash_train.export import main
 from test_dspark import random_dspark, speculators_block_logits, our_block_logits
 
-# vLLM 0.33's speculators config conversion: tests/fetch_vllm.py's copy (DFLASH_VLLM_SRC), else a
-# partial source tree at /tmp/vllm_src; algos.py imports nothing, so it loads from either
+# vLLM 0.33's speculators config conversion, from tests/fetch_vllm.py's copy (DFLASH_VLLM_SRC);
+# algos.py imports nothing, so it loads standalone
 ALGOS = Path("vllm") / "transformers_utils" / "configs" / "speculators" / "algos.py"
-VLLM_ALGOS = next((d / ALGOS for d in (DEST, Path("/tmp/vllm_src")) if (d / ALGOS).is_file()), DEST / ALGOS)
+VLLM_ALGOS = DEST / ALGOS
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_export_round_trip_is_exact(exported, trained_dspark):
                      "confidence_head.proj.bias"}
 
 
-@pytest.mark.skipif(not VLLM_ALGOS.is_file(), reason=f"vLLM 0.33 sources not found at {DEST} or /tmp/vllm_src "
+@pytest.mark.skipif(not VLLM_ALGOS.is_file(), reason=f"vLLM 0.33 sources not found at {DEST} "
                     "(run python tests/fetch_vllm.py, or set DFLASH_VLLM_SRC)")
 def test_vllm_config_conversion_reads_the_export(exported, trained_dspark):
     """vLLM 0.33's own speculators config conversion (algos.py, loaded standalone: it imports

@@ -7,6 +7,7 @@
 """
 
 import ast
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -19,27 +20,40 @@ from fetch_vllm import DEST, VERSION
 def _require():
     if not (DEST / "vllm").is_dir():
         pytest.skip(f"vLLM {VERSION} sources not fetched (run `make vllm-ref` or python tests/fetch_vllm.py)")
-    if str(DEST) not in sys.path:
-        sys.path.insert(0, str(DEST))
+
+
+@contextlib.contextmanager
+def _vllm_importable():
+    """vLLM on sys.path only while its conversion runs, and out of sys.modules afterwards: other
+    tests check what happens when vLLM is not installed (e.g. `dflash-prepare --backend vllm`)."""
+    _require()
+    sys.path.insert(0, str(DEST))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(DEST))
+        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            del sys.modules[name]
 
 
 def speculators_conversion(folder: Path) -> tuple[dict, dict]:
     """-> (the draft model's config dict, vLLM's speculative config) for a Speculators checkpoint."""
-    _require()
-    from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
-
     config_dict = json.loads((Path(folder) / "config.json").read_text())
-    spec = SpeculatorsConfig.extract_vllm_speculative_config(config_dict)
-    return SpeculatorsConfig.extract_transformers_pre_trained_config(config_dict), spec
+    with _vllm_importable():
+        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+
+        spec = SpeculatorsConfig.extract_vllm_speculative_config(config_dict)
+        return SpeculatorsConfig.extract_transformers_pre_trained_config(config_dict), spec
 
 
 def vllm_draft_config(folder: Path):
-    _require()
     config_dict = json.loads((Path(folder) / "config.json").read_text())
     if "speculators_config" in config_dict:
-        from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
+        with _vllm_importable():
+            from vllm.transformers_utils.configs.speculators.base import SpeculatorsConfig
 
-        return SpeculatorsConfig.from_pretrained(str(folder))
+            return SpeculatorsConfig.from_pretrained(str(folder))
+    _require()
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(folder))

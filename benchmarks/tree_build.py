@@ -1,5 +1,5 @@
 """Time DDTree construction (`build_tree`) at the DFlash block shape, on CPU: the plain tree
-from per-depth marginals and DSpark's path-conditioned tree, in one run.
+from per-depth marginals and DSpark's and DFlash2's path-conditioned trees, in one run.
 
     .venv/bin/python benchmarks/tree_build.py [--threads N]
 
@@ -13,7 +13,8 @@ Path-conditioned (`dspark.MarkovScorer`, Qwen3-8B's shape: Markov rank 256, hidd
 weights giving a bias of about one logit): the whole `build_tree(logits, budget, scorer)` for
 the vanilla, gated and rnn heads with the default 256 candidates per depth, timed in turn with
 the plain build (run i of each back to back, so both see the same machine load), and the ratio
-of the two medians. For scale: the exact conditional tree needs a full-vocabulary [V, r]
+of the two medians; the same for DFlash2's selector tree (`dflash2.SelectorScorer`: rank 256,
+top-16 candidates per slot, one [L, K, K] table of edge scores per block). For scale: the exact conditional tree needs a full-vocabulary [V, r]
 mat-vec per expanded node (about `budget` of them); one is timed at the end.
 --threads sets torch's intra-op threads: on a few busy cores a parallel op such as the
 mask's zero fill can wait a whole scheduler slice (~4 ms) for a descheduled worker.
@@ -26,6 +27,7 @@ import time
 import torch
 
 from dflash_train.ddtree import best_first, build_tree, top_k_log_probs, visibility_mask
+from dflash_train.dflash2 import CandidateSelector, SelectorScorer
 from dflash_train.dspark import TREE_CANDIDATES, MarkovHead, MarkovScorer
 
 L, V = 15, 151936
@@ -102,7 +104,7 @@ def main():
 
     print(f"\npath-conditioned DDTree (MarkovScorer, rank {RANK}, hidden {HIDDEN}, {TREE_CANDIDATES} candidates "
           f"per depth), paired with the plain build: ms plain / ms conditional (ratio)")
-    print(f"{'budget':>6} " + " ".join(f"{h:>24}" for h in ("vanilla", "gated", "rnn")))
+    print(f"{'budget':>6} " + " ".join(f"{h:>24}" for h in ("vanilla", "gated", "rnn", "DFlash2 selector")))
     cells = {b: [] for b in CONDITIONAL_BUDGETS}
     with torch.no_grad():
         for head_type in ("vanilla", "gated", "rnn"):
@@ -115,6 +117,11 @@ def main():
                 w2, u = head.markov_w2.weight, torch.randn(RANK)
                 matvec = median_ms(lambda: w2 @ u)
             del head, scorer
+        selector = CandidateSelector(V, HIDDEN, RANK, top_k=16)
+        scorer = SelectorScorer(selector, hidden, bonus=7)
+        for budget in CONDITIONAL_BUDGETS:
+            a, b = paired_ms(lambda: build_tree(logits, budget), lambda: build_tree(logits, budget, scorer))
+            cells[budget].append(f"{a:6.2f} / {b:6.2f} ({b / a:4.2f}x)")
     for budget in CONDITIONAL_BUDGETS:
         print(f"{budget:>6} " + " ".join(f"{c:>24}" for c in cells[budget]))
     print(f"\none full-vocabulary [V, r] mat-vec (what the exact tree needs per expanded node): {matvec:.2f} ms")

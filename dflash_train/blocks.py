@@ -75,27 +75,27 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
     hidden = block_hidden[:, :, 1:].contiguous()
     model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
     if model.config.variant != "dspark":
-        return BlockOutputs(hidden, t_hidden, tokens, valid)
+        return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0])
     block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)  # [b, A, B] the true tokens at slots 0..B-1
     u, confidence = dspark.teacher_forced(model, block_hidden, block_tokens)
     return BlockOutputs(hidden, t_hidden, tokens, valid, u, confidence, block_hidden, block_ids[:, :, 0])
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],
-                      max_blocks: int, markov_head=None, hidden: torch.Tensor | None = None,
+                      max_blocks: int, conditional=None, hidden: torch.Tensor | None = None,
                       bonus: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
     distributions, walked along the target's tokens (labels) while they are in the tree.
-    With DSpark's `markov_head`, draft_logits are the backbone's and the tree is path-conditioned
-    (dspark.MarkovScorer on hidden [.., B, H] and the bonus tokens [..]).
+    With `conditional` (block hidden [B, H], bonus) -> scorer (dspark.MarkovScorer over DSpark's
+    head, dflash2.SelectorScorer over DFlash2's selector), draft_logits are the backbone's and the
+    tree is path-conditioned, on hidden [.., B, H] and the bonus tokens [..].
     Returns summable counts [len(budgets) + 1 + 4]: accepted tokens per budget, blocks, then
     the spine counts of the largest tree (ddtree.spine_counts: on-spine hits, nodes, off-spine
     hits, nodes)."""
     logits = draft_logits.reshape(-1, *draft_logits.shape[-2:])[: max_blocks]  # [N, K, V]
     labels = labels.reshape(-1, labels.shape[-1])[: max_blocks].tolist()
     valid = valid.reshape(-1, valid.shape[-1])[: max_blocks].tolist()
-    conditional = markov_head is not None
-    if conditional:
+    if conditional is not None:
         hidden = hidden.reshape(-1, *hidden.shape[-2:])[: max_blocks]  # [N, B, H]
         bonus = bonus.reshape(-1)[: max_blocks].tolist()
     # Nodes are numbered in best-first pop order, so the tree of budget b is exactly the nodes
@@ -105,7 +105,7 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
         if not ok[0] or not budgets:
             continue
         counts[len(budgets)] += 1
-        scorer = dspark.MarkovScorer(markov_head, hidden[i], bonus[i]) if conditional else None
+        scorer = None if conditional is None else conditional(hidden[i], bonus[i])
         tree, cur, path = build_tree(logits[i], max(budgets), scorer), 0, []
         for tok, v in zip(lab, ok):
             if not v or tok not in tree.children[cur]:

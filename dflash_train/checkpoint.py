@@ -23,6 +23,9 @@ from dflash_train.outputs import match_umask, model_source, write_atomically
 from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, first_line
 
 FORMAT = "dflash-train"
+# Variants a DFlash drafter can start (model.init_from): the prefixes of the modules they add fresh
+# (DFlash2 also adds layers.N.{attention_conv, mlp_conv}, at the identity).
+GROWN = {"dspark": ("markov_head.", "confidence_head."), "dflash2": ("candidate_selector.",)}
 # Tensors a Speculators checkpoint may carry that belong to the verifier, not the drafter.
 SPECULATORS_VERIFIER_KEYS = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
                              "verifier_norm.weight", "d2t", "t2d"}
@@ -62,6 +65,7 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
         attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m),
+        **dflash2_fields(m, tc),
     )
 
 
@@ -74,9 +78,26 @@ def dspark_fields(m: ModelConfig) -> dict:
             "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
 
 
+def dflash2_fields(m: ModelConfig, tc) -> dict:
+    """The DFlash2 part of a DrafterConfig (its zero defaults for DFlash), checked against the
+    target's config `tc`."""
+    if m.variant != "dflash2":
+        return {}
+    if tc.hidden_size % m.conv_group_size:
+        raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden size "
+                        f"{tc.hidden_size}")
+    if m.conv_kernel_size > m.block_size:
+        raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size {m.block_size}")
+    if m.selector_top_k > tc.vocab_size:
+        raise UserError(f"model.selector_top_k {m.selector_top_k} exceeds the target's vocabulary ({tc.vocab_size})")
+    return {"variant": "dflash2", "conv_kernel_size": m.conv_kernel_size, "conv_group_size": m.conv_group_size,
+            "selector_rank": m.selector_rank, "selector_top_k": m.selector_top_k}
+
+
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees.
-    A DFlash drafter may start a DSpark recipe: its backbone, with fresh DSpark heads."""
+    A DFlash drafter may start a DSpark recipe (its backbone, with fresh DSpark heads) or a DFlash2
+    one (its weights, identity convolutions, so it computes what it computed, and a fresh selector)."""
     cfg = drafter_config_for(target, m)
     if m.init_from is None:
         return DFlashDrafter(cfg)
@@ -89,16 +110,19 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     if loaded.variant == "dspark":
         fields += [("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
                    ("confidence_head", "confidence_head")]
+    if loaded.variant == "dflash2":
+        fields += [("conv_kernel_size", "conv_kernel_size"), ("conv_group_size", "conv_group_size"),
+                   ("selector_rank", "selector_rank"), ("selector_top_k", "selector_top_k")]
     for key, field in fields:
-        if key == "variant" and (loaded.variant, cfg.variant) == ("dflash", "dspark"):
+        if key == "variant" and loaded.variant == "dflash" and cfg.variant in GROWN:
             continue
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
                             f"{getattr(cfg, field)}: set model.{key} to match")
-    if loaded.variant != cfg.variant:  # a DFlash backbone under fresh DSpark heads
+    if loaded.variant != cfg.variant:  # a DFlash drafter under fresh DSpark heads / DFlash2 modules
         grown = DFlashDrafter(cfg)
         missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
-        assert not unexpected and all(k.startswith(("markov_head.", "confidence_head.")) for k in missing)
+        assert not unexpected and all(k.startswith(GROWN[cfg.variant]) or "_conv." in k for k in missing)
         return grown
     loaded.num_target_layers = cfg.num_target_layers
     return drafter

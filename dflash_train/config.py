@@ -46,12 +46,18 @@ class ModelConfig(Section):
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None
-    # dspark = the DFlash backbone + DSpark's Markov logit-bias head (slot k conditioned on the
-    # token at slot k-1) and confidence head (dflash_train/dspark.py). The keys below are DSpark's.
-    variant: Literal["dflash", "dspark"] = "dflash"
+    # variant: dflash; dspark = the DFlash backbone + DSpark's Markov logit-bias head (slot k
+    # conditioned on the token at slot k-1) and confidence head (dflash_train/dspark.py); dflash2 = DFlash
+    # + local convolutions around each sublayer and a candidate selector that re-ranks each slot's
+    # unary top-K given the token before it (dflash_train/dflash2.py). Each variant reads only its keys.
+    variant: Literal["dflash", "dspark", "dflash2"] = "dflash"
     markov_rank: int = Field(256, ge=0)  # r of the bias W2(W1[x]); 0 = no Markov head (the backbone's logits)
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # vLLM 0.33 serves vanilla only
     confidence_head: bool = True  # predict each slot's acceptance rate (trained with loss.confidence_weight)
+    conv_kernel_size: int = Field(2, ge=1)  # dflash2: taps of each convolution (slot s reads s-k+1..s)
+    conv_group_size: int = Field(16, ge=1)  # dflash2: hidden channels sharing one dynamic kernel
+    selector_rank: int = Field(256, ge=1)  # dflash2: rank r of the selector's codebooks
+    selector_top_k: int = Field(16, ge=1)  # dflash2: unary candidates per slot the selector re-ranks
 
 
 class DataConfig(Section):
@@ -85,6 +91,8 @@ class LossConfig(Section):
     chunk_slots: int = Field(512, ge=0)
     # DSpark's confidence head: BCE toward the detached per-slot acceptance rate sum_v min(p_v, q_v)
     confidence_weight: float = Field(1.0, ge=0)
+    # dflash2: weight of the selector's K-way candidate CE (slot-weighted like the terms)
+    selector_weight: float = Field(1.0, ge=0)
 
     @model_validator(mode="after")
     def _some_loss(self):

@@ -12,6 +12,10 @@ measured by the same code, and each round is one target forward.
 A DSpark drafter drafts its chain with the Markov bias fed by its own drafted tokens
 (`dspark.markov_chain`), and its DDTree is path-conditioned (`dspark.MarkovScorer`), or built
 from the backbone's marginals alone with tree_scores="marginal".
+A DFlash2 drafter drafts its chain as vLLM walks its candidate selector (`dflash2.selector_chain`:
+each slot re-ranks its unary top-K given the token drafted before it), and its DDTree ranks each
+node's children by the selector given that node's token (`dflash2.SelectorScorer`), or is built
+from the unary marginals alone with tree_scores="marginal".
 """
 
 import time
@@ -23,11 +27,12 @@ from transformers import DynamicCache
 from dflash_train.ddtree import (DraftTree, accept_walk, build_tree, chain_tree, root_only_tree, spine_counts,
                                  tree_attention_mask)
 from dflash_train.dspark import MarkovScorer, markov_chain
+from dflash_train.dflash2 import SelectorScorer, selector_chain
 from dflash_train.model import ContextCache, DFlashDrafter
 from dflash_train.target import Target, taps_from_hidden_states
 
 METHODS = ("ar", "dflash", "ddtree")
-TREE_SCORES = ("conditional", "marginal")  # DSpark's DDTree: path-conditioned, or from the backbone's marginals
+TREE_SCORES = ("conditional", "marginal")  # DSpark's / DFlash2's DDTree: path-conditioned, or from the marginals
 STAGES = ("draft", "tree", "verify", "commit")
 
 
@@ -85,6 +90,18 @@ def draft_hidden(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonu
     return drafter.forward_cached(target.embed(block), positions, ctx)[0]  # [B, H]
 
 
+def tree_scorer(drafter: DFlashDrafter, hidden: torch.Tensor, bonus: int, tree_scores: str):
+    """The conditional scorer of this block's DDTree (hidden [B, H]), or None for the tree from the
+    marginals: DFlash, or tree_scores="marginal"."""
+    if tree_scores != "conditional":
+        return None
+    if drafter.markov_head is not None:
+        return MarkovScorer(drafter.markov_head, hidden, bonus)
+    if drafter.candidate_selector is not None:
+        return SelectorScorer(drafter.candidate_selector, hidden, bonus)
+    return None
+
+
 def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
     """The backbone's block logits [B-1, V] (slots 1..B-1)."""
     return target.lm_head(draft_hidden(drafter, target, ctx, bonus, start)[1:])
@@ -120,7 +137,7 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
            stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
            tree_scores: str = "conditional") -> DecodeResult:
     """Generate up to max_new_tokens after prompt_ids [1, P] (stopping after a stop token).
-    tree_scores: how a DSpark drafter's DDTree is scored (TREE_SCORES); DFlash has marginals only."""
+    tree_scores: how a DSpark or DFlash2 drafter's DDTree is scored (TREE_SCORES); DFlash has marginals only."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if tree_scores not in TREE_SCORES:
@@ -153,18 +170,18 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
             tree = root_only_tree()
         else:
             hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
-            base_logits = target.lm_head(hidden[1:])  # [B-1, V], the backbone's
+            base_logits = target.lm_head(hidden[1:])  # [B-1, V], the backbone's (DFlash2: the unary logits)
             if method == "dflash" and dspark:  # the Markov chain: each slot biased by the token drafted before it
                 chain, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
+            elif method == "dflash" and drafter.candidate_selector is not None:  # DFlash2: the selector walk
+                chain = selector_chain(drafter.candidate_selector, hidden[1:], base_logits, bonus)
             elif method == "dflash":
                 chain = base_logits.argmax(-1)
             clock.lap("draft")
             if method == "dflash":
                 tree = chain_tree(chain)
             else:
-                conditional = drafter.markov_head is not None and tree_scores == "conditional"
-                tree = build_tree(base_logits, budget, MarkovScorer(drafter.markov_head, hidden, bonus)
-                                   if conditional else None)
+                tree = build_tree(base_logits, budget, tree_scorer(drafter, hidden, bonus, tree_scores))
         clock.lap("tree")
 
         logits, hidden_states = verify(target, cache, tree, bonus, start, use_drafter)

@@ -347,7 +347,8 @@ def parse_args(argv):
                    help=f"suite name, NAME=local_file or a messages .jsonl (repeatable; default {DEFAULT_SUITE})")
     p.add_argument("--budgets", default="4,16,64,256", help="DDTree budgets (non-root nodes); 0 = plain decoding")
     p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
-                   help="a DSpark drafter's DDTree: path-conditioned (default) or from the backbone's marginals")
+                   help="a DSpark or DFlash2 drafter's DDTree: path-conditioned (default; DFlash2: by its selector) "
+                        "or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
@@ -413,7 +414,8 @@ def main(argv=None):
                    "target_revision": target.revision, "block_size": B,
                    "target_layer_ids": drafter.config.target_layer_ids, "hardware": hardware_record(device),
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
-                   "markov_head_type": drafter.config.markov_head_type, "tree_scores": args.tree_scores})
+                   "markov_head_type": drafter.config.markov_head_type, "selector_rank": drafter.config.selector_rank,
+                   "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores})
     write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())
 

@@ -191,7 +191,9 @@ def training_section(recipe_text: str | None, fmt: str) -> str:
         f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} slot weights"
         f"{' and accept-until-fail' if loss['until_first_failure'] else ''}"
         + (f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
-           if m.get("variant") == "dspark" and m.get("confidence_head") else "."),
+           if m.get("variant") == "dspark" and m.get("confidence_head") else "")
+        + (f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
+           if m.get("variant") == "dflash2" else "."),
         f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
         "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml", recipe_text.strip(),
         "```", "", "</details>"])
@@ -205,19 +207,27 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
     if recipe_text:
         d = yaml.safe_load(recipe_text)["data"]
         datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
-    dspark = cfg.variant == "dspark"
+    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    name = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[cfg.variant]
     card_data = ModelCardData(base_model=hub_verifier, library_name="speculators" if fmt == SPECULATORS else "vllm",
-                              tags=["speculators", "speculative-decoding", "dflash", "ddtree"] + ["dspark"] * dspark,
+                              tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
+                              + [cfg.variant] * (dspark or dflash2),
                               license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
     algorithm_text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
     if dspark:
         algorithm_text = (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
                           f"(rank {cfg.markov_rank}) conditions each slot on the token drafted before it"
                           + ("; a confidence head predicts each slot's acceptance" if cfg.confidence_head else ""))
+    if dflash2:
+        algorithm_text = (f"DFlash2: the DFlash block forward with {cfg.conv_kernel_size}-tap dynamic convolutions "
+                          f"around every sublayer (within the block), then a rank-{cfg.selector_rank} candidate "
+                          f"selector re-ranks each slot's top-{cfg.selector_top_k} tokens given the token before it")
     if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
         spec = json.dumps({"method": "dspark", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
         vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
                 f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
+    elif fmt == SPECULATORS and dflash2:  # vLLM 0.33 reads `dflash2` as DFlash2DraftModel under method dflash
+        vllm = f"vllm serve {serve_ref}   # DFlash2DraftModel, method dflash, read from config.json"
     elif fmt == SPECULATORS:
         vllm = f"vllm serve {serve_ref}"
     else:
@@ -234,9 +244,12 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with the "
                   f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark "
                   "chain.")
+    if dflash2:
+        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from dflash-train's decoder, "
+                  "whose tree ranks each node's children by the selector given that node's token.")
     return ModelCard.from_template(
-        card_data, template_path=str(TEMPLATE), title=f"{'DSpark' if dspark else 'DFlash'} drafter for {verifier}",
-        algorithm="DSpark" if dspark else "DFlash", algorithm_text=algorithm_text,
+        card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",
+        algorithm=name, algorithm_text=algorithm_text,
         verifier=verifier,
         verifier_md=f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier else f"`{verifier}`",
         format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
@@ -326,6 +339,9 @@ def main(argv=None):
     if cfg.variant == "dspark" and args.format == NATIVE:
         raise UserError("the native DFlash format has no Markov or confidence head: export a DSpark drafter with "
                         "--format speculators (served by vLLM as method dspark)")
+    if cfg.variant == "dflash2" and args.format == NATIVE:
+        raise UserError("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
+                        "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
     verifier = args.verifier or (meta.get("target") or {}).get("name_or_path")
     if not verifier:
         raise UserError("the checkpoint does not name its verifier: pass --verifier")

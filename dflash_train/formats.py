@@ -2,7 +2,9 @@
 vLLM `method: dflash`). All three store the same tensors under the same names
 (fc, hidden_norm, layers.N.*, norm); only config.json differs. DSpark drafters add
 markov_head.* and confidence_head.* and travel as ours or Speculators `dspark` (served by
-vLLM as `method: dspark`); the native DFlash format has no place for their heads.
+vLLM as `method: dspark`); DFlash2 drafters add layers.N.{attention_conv, mlp_conv}.* and
+candidate_selector.* and travel as ours or Speculators `dflash2` (vLLM 0.33 reads it as
+`DFlash2DraftModel`, method dflash); the native DFlash format has no place for either.
 
 Layer ids: ours and native DFlash store z-lab `target_layer_ids` (tap k = decoder layer k =
 transformers hidden_states[k+1]); Speculators stores `aux_hidden_state_layer_ids` = those + 1.
@@ -34,12 +36,12 @@ QWEN3_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
 def detect_format(config: dict) -> str:
     if config.get("format") == OURS:
         return OURS
-    if config.get("speculators_model_type") in ("dflash", "dspark"):
+    if config.get("speculators_model_type") in ("dflash", "dspark", "dflash2"):
         return SPECULATORS
     if "DFlashDraftModel" in (config.get("architectures") or []) and "dflash_config" in config:
         return NATIVE
     raise UserError("config.json is not a DFlash drafter in any known format "
-                    "(dflash-train, speculators 'dflash' or 'dspark', or native DFlashDraftModel)")
+                    "(dflash-train, speculators 'dflash', 'dspark' or 'dflash2', or native DFlashDraftModel)")
 
 
 def _block_attention(causal) -> str:
@@ -67,7 +69,8 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
             cfg = DrafterConfig(**_qwen3(tl), block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                                 target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
                                 num_target_layers=extra.get("num_target_layers"),
-                                block_attention=_block_attention(tl.get("is_causal")), **_speculators_dspark(config))
+                                block_attention=_block_attention(tl.get("is_causal")), **_speculators_dspark(config),
+                                **_speculators_dflash2(config))
             verifier = config.get("speculators_config", {}).get("verifier", {})
             return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
                                                    "revision": (config.get("verifier_pin") or {}).get("revision")},
@@ -111,26 +114,47 @@ def _speculators_dspark(config: dict) -> dict:
             "confidence_head_with_markov": with_markov}
 
 
+# speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+
+
+def _speculators_dflash2(config: dict) -> dict:
+    """The DFlash2 fields of a Speculators config.json (none for other types); its full vocabulary
+    is checked (speculators' DFlash2 requires it too; sample_from_anchor: see _speculators_dspark)."""
+    if config.get("speculators_model_type") != "dflash2":
+        return {}
+    vocab = config["transformer_layer_config"]["vocab_size"]
+    if config.get("draft_vocab_size", vocab) != vocab:
+        raise UserError(f"DFlash2 config has draft_vocab_size {config['draft_vocab_size']} but a {vocab}-token "
+                        "verifier vocabulary: DFlash2 drafts over the full vocabulary")
+    fields = {k: default if config.get(k) is None else int(config[k]) for k, default in DFLASH2_DEFAULTS.items()}
+    return {"variant": "dflash2", **fields}
+
+
 def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures: list[str], pin: dict,
                        mask_token: str | None):
     """The Speculators config, built with speculators' own classes (what vLLM reads):
-    DFlashSpeculatorConfig, or DSparkSpeculatorConfig for a DSpark drafter."""
+    DFlashSpeculatorConfig, or DSparkSpeculatorConfig / DFlash2SpeculatorConfig for those variants."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashSpeculatorConfig
+    from speculators.models.dflash2 import DFlash2SpeculatorConfig
     from speculators.models.dspark import DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     causal = cfg.block_attention == "causal"
     layer_config = cfg.qwen3_config()
     layer_config.is_causal = causal  # vLLM reads it before anything else (see the module docstring)
-    config_class, dspark = DFlashSpeculatorConfig, {}
+    config_class, extra = DFlashSpeculatorConfig, {}
     if cfg.variant == "dspark":
         config_class = DSparkSpeculatorConfig
-        dspark = {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
-                  "enable_confidence_head": cfg.confidence_head,
-                  "confidence_head_with_markov": cfg.confidence_head_with_markov}
+        extra = {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+                 "enable_confidence_head": cfg.confidence_head,
+                 "confidence_head_with_markov": cfg.confidence_head_with_markov}
+    elif cfg.variant == "dflash2":
+        config_class = DFlash2SpeculatorConfig  # architectures ["DFlash2DraftModel"]
+        extra = {k: getattr(cfg, k) for k in DFLASH2_DEFAULTS}
     return config_class(
-        **dspark,
+        **extra,
         transformer_layer_config=layer_config,
         draft_vocab_size=cfg.vocab_size,  # full vocabulary: no lm_head / d2t / t2d are saved
         block_size=cfg.block_size,

@@ -14,6 +14,12 @@ use of a layer's weights inside that layer's call.
 In-block attention (`block_attention`): "bidirectional" (DFlash: every slot sees the whole
 block) or "causal" (JetSpec-style: slot i sees slots <= i). Context visibility is the same.
 
+DFlash2 (`variant: dflash2`; z-lab/inco, speculators `models/dflash2/`) wraps each sublayer in a
+pair of token-conditioned grouped convolutions over the block's slots (`GroupedDynamicConv`):
+slot s mixes slots s-k+1..s of its OWN block (never the previous block), initialised to the
+identity, so an untrained DFlash2 computes DFlash. Its candidate selector lives in
+dflash_train/dflash2.py.
+
 The target's embeddings and LM head are shared and frozen; they are NOT part of this
 module (its state_dict is exactly the trainable weights, named as Speculators names
 DFlash weights), so the caller embeds the block and applies the LM head.
@@ -36,6 +42,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from dflash_train import dflash2
 from dflash_train.dspark import dspark_heads
 
 
@@ -67,6 +74,12 @@ class DrafterConfig:
     markov_head_type: str = "vanilla"
     confidence_head: bool = False
     confidence_head_with_markov: bool = False
+    # DFlash2 (0 for other variants): taps of each local convolution, hidden channels sharing one
+    # dynamic kernel, and the candidate selector's rank and candidates per slot (dflash2.py).
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
 
     def qwen3_config(self) -> Qwen3Config:
         """The Qwen3 config the drafter's layers are built from (Speculators' transformer_layer_config)."""
@@ -132,19 +145,77 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
-class DFlashDecoderLayer(nn.Module):
-    """Pre-norm Qwen3 layer whose attention also sees the context K/V (projected here, by this layer)."""
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's two local convolutions around one sublayer (speculators' GroupedDynamicCausalConv).
 
-    def __init__(self, c: Qwen3Config, layer_idx: int):
+    Over the slots s of each block, with G = H / group_size channel groups and k taps:
+        conv(x)[s, c] = sum_{j < k, j <= s} (base[j, c] + delta[s, j, group(c)]) * x[s - j, c]
+    delta = kernel_projection(sublayer input) [q, 2, k, G]: one projection gives the input-side
+    kernel (applied before the sublayer) and the output-side one (applied to its output). Taps
+    that would reach before slot 0 read zeros, so a block never sees the previous one. Identity
+    initialisation: base[:, 0] = 1, the rest and kernel_projection 0."""
+
+    def __init__(self, hidden_size: int, block_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.block_size, self.kernel_size, self.group_size = block_size, kernel_size, group_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [input/output side, k, H]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, q, H] (q whole blocks) -> (the input-side convolution of x, the output side's
+        dynamic kernel [b, q, k, G], both from x)."""
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
+        return self._convolve(x, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The output-side convolution of the sublayer's output y [b, q, H] with prepare's kernel."""
+        return self._convolve(y, delta, 1)
+
+    def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        b, q, H = x.shape
+        B, k, G, g = self.block_size, self.kernel_size, self.num_groups, self.group_size
+        xs = x.view(b, q // B, B, G, g)  # [b, blocks, slot, group, channel in group]
+        coef = self.base_kernel[side].to(x.dtype).view(k, G, g) + delta.reshape(b, q // B, B, k, G, 1)
+        out = xs * coef[..., 0, :, :]
+        for j in range(1, k):
+            # slot s reads slot s - j of the same block; the first j slots read zeros
+            shifted = F.pad(xs[:, :, :-j], (0, 0, 0, 0, j, 0))
+            out = out + shifted * coef[..., j, :, :]
+        return out.view(b, q, H)
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer whose attention also sees the context K/V (projected here, by this
+    layer); for DFlash2 each sublayer runs between the two sides of its GroupedDynamicConv."""
+
+    def __init__(self, c: Qwen3Config, layer_idx: int, conv: tuple[int, int, int] | None = None):
+        """conv: DFlash2's (block_size, kernel_size, group_size), None for DFlash."""
         super().__init__()
         self.self_attn = DFlashAttention(c, layer_idx)
         self.mlp = Qwen3MLP(c)
         self.input_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if conv is not None:
+            self.attention_conv = GroupedDynamicConv(c.hidden_size, *conv)
+            self.mlp_conv = GroupedDynamicConv(c.hidden_size, *conv)
 
     def forward(self, x, rope, ctx, ctx_rope, mask, cache: "ContextCache | None" = None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx, ctx_rope, mask, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope, ctx, ctx_rope, mask, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, rope, ctx, ctx_rope, mask, cache), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
 
 
 class ContextCache:
@@ -194,7 +265,8 @@ class ContextCache:
 
 
 class DFlashDrafter(nn.Module):
-    """Parameter names: fc, hidden_norm, layers.N.*, norm (the Speculators DFlash names)."""
+    """Parameter names: fc, hidden_norm, layers.N.*, norm (the Speculators DFlash names); DFlash2
+    adds layers.N.{attention_conv, mlp_conv}.* and candidate_selector.* (speculators' DFlash2 names)."""
 
     def __init__(self, config: DrafterConfig):
         super().__init__()
@@ -203,7 +275,10 @@ class DFlashDrafter(nn.Module):
         n_taps = len(config.target_layer_ids)
         self.fc = nn.Linear(n_taps * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.layers = nn.ModuleList(DFlashDecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        conv = None
+        if config.variant == "dflash2":
+            conv = (config.block_size, config.conv_kernel_size, config.conv_group_size)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(c, i, conv) for i in range(c.num_hidden_layers))
         self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(c)  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False  # training sets it from the recipe
@@ -211,6 +286,12 @@ class DFlashDrafter(nn.Module):
         self.apply(self._init_weights)
         # DSpark's heads (None for DFlash), applied by the caller after the backbone (dflash_train/dspark.py)
         self.markov_head, self.confidence_head = dspark_heads(config)
+        for layer in self.layers:  # DFlash2: back to the identity that _init_weights overwrote
+            for conv_ in (layer.attention_conv, layer.mlp_conv):
+                if conv_ is not None:
+                    conv_.reset_parameters()
+        # DFlash2's candidate selector (None otherwise), applied by the caller after the LM head
+        self.candidate_selector = dflash2.candidate_selector(config)
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

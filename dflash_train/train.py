@@ -43,7 +43,8 @@ from dflash_train.checkpoint import (check_resumable, count_parameters, init_dra
                                      newest_checkpoint, save_drafter, write_checkpoint)
 from dflash_train.config import DEFAULT_RECIPE, RunConfig, dump_recipe, load_recipe
 from dflash_train.data import check_data_path, collate, load_conversations
-from dflash_train.dspark import MarkovHead, confidence_loss
+from dflash_train.dflash2 import CandidateSelector, SelectorScorer, selector_loss
+from dflash_train.dspark import MarkovHead, MarkovScorer, confidence_loss
 from dflash_train.engines import (configure_deepspeed, full_model_state, full_optimizer_state, fully_shard_drafter,
                                   gradient_sync, grad_norm_of, launched_engine, load_optimizer_state,
                                   make_accelerator, shards_itself, whole_model_loading)
@@ -98,12 +99,12 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    budgets, T, K = cfg.eval.ddtree_budgets, len(cfg.loss.terms), B - 1
+    budgets, T, K = cfg.eval.ddtree_budgets, len(term_names(cfg)), B - 1
     # loss and term numerators, the divisor, acceptance counts, tree + spine counts, confidence
     # calibration: all summable
     sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
     totals = torch.zeros(sum(sizes), dtype=torch.float64)
-    tree_head = cpu_markov_head(model)  # DSpark's path-conditioned trees are built on CPU
+    conditional = cpu_tree_scorer(model)  # DSpark's / DFlash2's path-conditioned trees are built on CPU
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
@@ -118,16 +119,16 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
             if not chunk:
                 continue
             # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
-            # backbone's, path-conditioned), a chunk of blocks at a time
+            # backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at a time
             flat = [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.draft_hidden, m["labels"], o.valid)]
-            if tree_head is not None:
+            if conditional is not None:
                 flat += [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.block_hidden, o.bonus)]
             n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(flat[0])
             tree = torch.zeros(sizes[2], dtype=torch.float64)
             for j in range(0, len(flat[0]), n):
                 hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
                 tree += ddtree_acceptance(target.lm_head(hidden).float().cpu(), labels.cpu(), valid.cpu(), budgets, n,
-                                          tree_head, *(x.float().cpu() if x.is_floating_point() else x.cpu()
+                                          conditional, *(x.float().cpu() if x.is_floating_point() else x.cpu()
                                                        for x in path_inputs))
         calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
             confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
@@ -141,7 +142,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     blocks = max(tree[len(budgets)].item(), 1.0)
     on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
     out = {"loss": (head[0] / divisor).item(),
-           "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(cfg.loss.terms)},
+           "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(term_names(cfg))},
            **acceptance_metrics(counts),
            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
            "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
@@ -153,45 +154,64 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     return out
 
 
-def cpu_markov_head(model) -> MarkovHead | None:
-    """A CPU float32 copy of the drafter's Markov head (gathered from its shards under FSDP, so
-    every process calls this), or None."""
-    if model.markov_head is None:
+def cpu_tree_scorer(model):
+    """For validation's path-conditioned trees: (block hidden [B, H], bonus) -> the block's scorer,
+    over a CPU float32 copy of DSpark's Markov head or DFlash2's selector (gathered from its shards
+    under FSDP, so every process calls this); None for DFlash."""
+    head = model.markov_head if model.markov_head is not None else model.candidate_selector
+    if head is None:
         return None
-    head = model.markov_head
     state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
              for k, v in head.state_dict().items()}
-    copy = MarkovHead(model.config.vocab_size, head.rank, model.config.hidden_size, head.head_type)
+    c = model.config
+    if model.markov_head is not None:
+        copy, scorer = MarkovHead(c.vocab_size, head.rank, c.hidden_size, head.head_type), MarkovScorer
+    else:
+        copy, scorer = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k), SelectorScorer
     copy.load_state_dict(state)
-    return copy.eval()
+    return partial(scorer, copy.eval())
 
 
 def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
     """The recipe's loss on the anchored blocks (a DSpark drafter's logits carry its Markov bias),
     plus, for DSpark's confidence head, loss.confidence_weight x its BCE toward the detached
     per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
-    the same normaliser."""
+    the same normaliser; for DFlash2, loss.selector_weight x the selector's candidate CE (the
+    terms' slot weights, the same normaliser), reported as the term "selector", and the chain's
+    hits are then the selector walk's (teacher-forced, dflash2.selector_loss)."""
     bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
     loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
                           normalizer=normalizer, markov_bias=bias)
     if o.confidence_logits is not None and cfg.loss.confidence_weight:
         w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
         loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w, normalizer)
+    if model.candidate_selector is not None:
+        block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's tokens, slots 0..B-1
+        sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens, target.lm_head,
+                                        m["labels"], o.valid, cfg.loss, normalizer)
+        m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
+        m["correct"] = correct
+        loss = loss + cfg.loss.selector_weight * sel
     return loss, m
 
 
-def check_dspark_engine(variant: str, engine: str, accelerator) -> None:
-    """DSpark's heads run after the backbone's forward and the Markov head's W2 inside the loss,
-    outside any sharded unit's forward: FSDP must keep parameters unsharded from forward to
-    backward (recipes/accelerate/fsdp_dspark.yaml) and ZeRO-3, which gathers them per module
-    forward, cannot serve them."""
-    if variant != "dspark":
+def term_names(cfg: RunConfig) -> list[str]:
+    """The reported loss terms: the recipe's, then DFlash2's selector CE."""
+    return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+
+
+def check_heads_engine(variant: str, engine: str, accelerator) -> None:
+    """DSpark's heads and DFlash2's selector run after the backbone's forward (and use W2 / the
+    successor codebook inside the loss), outside any sharded unit's forward: FSDP must keep
+    parameters unsharded from forward to backward (recipes/accelerate/fsdp_dspark.yaml, for both)
+    and ZeRO-3, which gathers them per module forward, cannot serve them."""
+    if variant not in ("dspark", "dflash2"):
         return
     if engine == "fsdp" and os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true":
-        raise UserError("model.variant=dspark under FSDP needs fsdp_reshard_after_forward: false "
+        raise UserError(f"model.variant={variant} under FSDP needs fsdp_reshard_after_forward: false "
                         "(launch with --config_file recipes/accelerate/fsdp_dspark.yaml)")
     if engine == "deepspeed" and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise UserError("model.variant=dspark does not run under DeepSpeed ZeRO-3 (its heads' weights are used "
+        raise UserError(f"model.variant={variant} does not run under DeepSpeed ZeRO-3 (its heads' weights are used "
                         "outside a module forward): use ZeRO-2 or recipes/accelerate/fsdp_dspark.yaml")
 
 
@@ -364,7 +384,7 @@ def train(cfg: RunConfig) -> None:
     drafter = init_drafter(target, cfg.model)
     if resume:
         check_resumable(resume, drafter)
-    check_dspark_engine(cfg.model.variant, engine, accelerator)
+    check_heads_engine(cfg.model.variant, engine, accelerator)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
         raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
@@ -469,7 +489,7 @@ def train(cfg: RunConfig) -> None:
         stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
         loss_sum, tokens = stats[0].item() / accelerator.num_processes, tokens + int(stats[1])
         counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
-        terms = {name: round(v, 6) for name, v in zip(cfg.loss.terms, terms.tolist())}
+        terms = {name: round(v, 6) for name, v in zip(term_names(cfg), terms.tolist())}
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
         lr = sched.get_last_lr()[0]  # the rate this step uses
         opt.step()

@@ -353,17 +353,17 @@ def test_eval_and_training_import_speculators_dspark(tiny_target, tmp_path, smal
 
 def test_dspark_refuses_engines_that_cannot_gather_its_heads(monkeypatch):
     from dflash_train.errors import UserError
-    from dflash_train.train import check_dspark_engine
+    from dflash_train.train import check_heads_engine
 
     monkeypatch.delenv("FSDP_RESHARD_AFTER_FORWARD", raising=False)
     for value in [None, "true"]:
         if value:
             monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", value)
         with pytest.raises(UserError, match="fsdp_dspark.yaml"):
-            check_dspark_engine("dspark", "fsdp", accelerator=None)
-        check_dspark_engine("dflash", "fsdp", accelerator=None)  # DFlash: any FSDP config
+            check_heads_engine("dspark", "fsdp", accelerator=None)
+        check_heads_engine("dflash", "fsdp", accelerator=None)  # DFlash: any FSDP config
     monkeypatch.setenv("FSDP_RESHARD_AFTER_FORWARD", "false")
-    check_dspark_engine("dspark", "fsdp", accelerator=None)
+    check_heads_engine("dspark", "fsdp", accelerator=None)
 
 
 def test_dspark_recipe_starts_from_a_dflash_drafter(trained_drafter_dir, tmp_path, small_data):

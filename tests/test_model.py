@@ -92,10 +92,16 @@ def test_cache_crop_drops_rejected_context(setup):
         torch.testing.assert_close(k1, k2)
 
 
-def test_every_layer_uses_its_weights_inside_its_own_forward(setup):
+@pytest.mark.parametrize("variant", ["dflash", "dflash2"])
+def test_every_layer_uses_its_weights_inside_its_own_forward(setup, variant):
     """What per-layer wrappers (FSDP2 fully_shard, activation checkpointing) need: each layer's
-    parameters are only used while that layer's forward runs, in training and in decoding."""
+    parameters are only used while that layer's forward runs, in training and in decoding
+    (DFlash2: its convolutions' kernel projections too)."""
     target, drafter, cfg = setup
+    if variant == "dflash2":
+        cfg = drafter_config_for(target, ModelConfig(num_layers=2, block_size=B, variant="dflash2"))
+        drafter = DFlashDrafter(cfg).eval()
+        assert any("kernel_projection" in n for n, _ in drafter.layers[0].named_modules())
     inside, outside_uses = set(), []
     hooks = []
     for i, layer in enumerate(drafter.layers):

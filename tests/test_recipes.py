@@ -104,3 +104,25 @@ def test_fsdp_dspark_config_keeps_parameters_unsharded_to_backward():
     assert c.distributed_type.value == "FSDP" and c.fsdp_config["fsdp_reshard_after_forward"] is False
     assert {k: v for k, v in c.fsdp_config.items() if k != "fsdp_reshard_after_forward"} == {
         k: v for k, v in base.fsdp_config.items() if k != "fsdp_reshard_after_forward"}
+
+
+DFLASH2_KEYS = {("model", k) for k in ("variant", "conv_kernel_size", "conv_group_size", "selector_rank",
+                                       "selector_top_k")} | {("loss", "selector_weight")}
+
+
+@pytest.mark.parametrize("name", ["tiny"] + sorted(LAYERS))
+def test_dflash2_recipes_are_their_dflash_recipe_plus_dflash2(name):
+    """recipes/*-dflash2.yaml: the DFlash recipe beside it with only the DFlash2 keys (speculators'
+    DFlash2 defaults) and the run folder changed."""
+    dflash = load_recipe(ROOT / "recipes" / f"{name}.yaml").model_dump()
+    dflash2 = load_recipe(ROOT / "recipes" / f"{name}-dflash2.yaml").model_dump()
+    m = dflash2["model"]
+    assert (m["variant"], m["conv_kernel_size"], m["conv_group_size"], m["selector_rank"], m["selector_top_k"]) == (
+        "dflash2", 2, 16, 256, 16)
+    assert dflash2["loss"]["selector_weight"] == 1.0
+    assert dflash2["output_dir"] == dflash["output_dir"] + "-dflash2"
+    for section, values in dflash.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                if (section, k) not in DFLASH2_KEYS:
+                    assert dflash2[section][k] == v, (section, k)

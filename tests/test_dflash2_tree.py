@@ -3,7 +3,6 @@ prefixes under the selector's conditional scores (brute-force enumeration, score
 own CandidateSelector), and its spine is the greedy selector walk."""
 
 import itertools
-import math
 
 import pytest
 import torch

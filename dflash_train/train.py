@@ -549,6 +549,10 @@ def train(cfg: RunConfig) -> None:
         print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
               f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
               f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
+    # Every process leaves together and tears the process group down before the interpreter does:
+    # a gloo group destroyed while a peer is still busy, or left to interpreter finalisation, can
+    # abort the process ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
     accelerator.end_training()
 
 

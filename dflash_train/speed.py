@@ -48,14 +48,6 @@ def median_over(values: np.ndarray, draws: tuple) -> np.ndarray:
     return out
 
 
-def mean_over(values: np.ndarray, draws: tuple) -> np.ndarray:
-    pooled = _pooled(values, draws)
-    out = np.full(pooled.shape[0], np.nan)
-    ok = ~np.isnan(pooled).all(axis=1)
-    out[ok] = np.nanmean(pooled[ok], axis=1)
-    return out
-
-
 def interval(resampled: np.ndarray) -> list[float] | None:
     """The 90% interval of a resampled statistic (row 0, the point estimate, left out)."""
     rest = resampled[1:]

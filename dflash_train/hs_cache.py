@@ -218,6 +218,9 @@ def parse_args(argv):
     p.add_argument("--target-layer-ids", default=None, help="comma-separated taps (z-lab ids); default: DFlash's rule")
     p.add_argument("--num-draft-layers", type=int, default=2, help="for the default taps: one per drafter layer")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
+    p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="the target's weights while it computes the states (not how they are stored: --dtype): "
+                        "auto = bf16 on a GPU that has it, else fp32; bf16 on a CPU with AVX-512 BF16 is ~3x faster")
     p.add_argument("--max-length", type=int, default=256, help="as data.max_length in the recipe")
     p.add_argument("--shard-rows", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8)
@@ -244,7 +247,7 @@ def main(argv=None):
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     target = load_target(args.target, revision=args.target_revision, device=device,
-                         dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
+                         dtype=target_dtype(args.target_dtype, device))
     layer_ids = args.target_layer_ids or build_target_layer_ids(target.num_layers, args.num_draft_layers)
     check_tap_layers(layer_ids, target.num_layers)
     ds = load_conversations(args.data, target.tokenizer, args.max_length)

@@ -59,7 +59,7 @@ from dflash_train import regenerate as regen
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.outputs import model_source, require_free_output, resolve_input, write_atomically
 from dflash_train.progress import BAR_INTERVAL
-from dflash_train.target import LOAD_ERRORS, first_line, load_target
+from dflash_train.target import LOAD_ERRORS, first_line, load_target, target_dtype
 
 FORMATS = {  # format -> (messages field, role field, content field)
     "messages": ("messages", "role", "content"),
@@ -399,6 +399,9 @@ def parse_args(argv):
                    help="keep answers cut by --max-new-tokens (default: drop the conversation)")
     g.add_argument("--batch-size", type=int, default=16, help="conversations per generate call")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (transformers backend)")
+    g.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="the target's weights while it answers: auto = bf16 on a GPU that has it, else fp32; "
+                        "bf16 on a CPU with AVX-512 BF16 is ~2x faster")
     args = p.parse_args(argv)
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
         p.error("--val-fraction must be in (0, 1)")
@@ -440,8 +443,7 @@ def run_regeneration(args, tokenizer, conversations, eot: str, out: Path):
     else:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
         target = load_target(args.target, revision=args.target_revision, device=device,
-                             dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32,
-                             trust_remote_code=args.trust_remote_code)
+                             dtype=target_dtype(args.target_dtype, device), trust_remote_code=args.trust_remote_code)
         stops = regen.stop_token_ids(tokenizer, eot, target.model.generation_config.eos_token_id)
         generate = regen.transformers_generate(target, stops, s)
     record = asdict(s) | {"target": args.target, "target_revision": args.target_revision,

@@ -67,6 +67,28 @@ class Target:
         return self.model.get_output_embeddings()
 
 
+TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def native_bf16(device: str | torch.device) -> bool:
+    """bf16 matmuls run natively: a CUDA GPU with bf16, or a CPU with AVX-512 BF16 / AMX (oneDNN)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def target_dtype(choice: str, device: str | torch.device) -> torch.dtype:
+    """The frozen target's weights: `fp32`, `bf16`, or `auto` = bf16 on a GPU that has it, else fp32.
+    A CPU with AVX-512 BF16 runs a bf16 forward about 3x faster (shared/reference/real-target.md), but
+    bf16 there is asked for by name: it changes the target's numbers, which tests and lossless checks
+    compare against. `native_bf16` says whether asking pays."""
+    if choice == "auto":
+        device = torch.device(device)
+        return torch.bfloat16 if device.type == "cuda" and native_bf16(device) else torch.float32
+    return TARGET_DTYPES[choice]
+
+
 def first_line(e: Exception) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__

@@ -9,10 +9,10 @@ from dflash_train.suites import load_suite, suite_definitions
 
 # One row per protocol set, in that dataset's own schema (extra columns included).
 ROWS = {
-    "gsm8k": {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "7"},
+    "gsm8k-hub": {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "7"},
     "math500": {"problem": "Compute $1+1$.", "solution": "2", "answer": "2", "subject": "x", "level": 1,
                 "unique_id": "a"},
-    "humaneval": {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "canonical_solution": "", "test": "",
+    "humaneval-hub": {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "canonical_solution": "", "test": "",
                   "entry_point": "add"},
     "mbpp": {"task_id": 2, "prompt": "Write a function to add two numbers.", "code": "", "test_list": []},
     "mt-bench": {"prompt": ["Write a haiku about rain.", "Now make it about snow."], "category": "writing",
@@ -54,8 +54,29 @@ def test_bad_suites(tmp_path):
     with pytest.raises(UserError, match="unknown suite 'nope'"):
         load_suite("nope")
     with pytest.raises(UserError, match="not found"):
-        load_suite(f"gsm8k={tmp_path / 'missing.jsonl'}")
+        load_suite(f"gsm8k-hub={tmp_path / 'missing.jsonl'}")
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text(json.dumps({"text": "hi"}) + "\n")
     with pytest.raises(UserError, match="no field 'question'"):
-        load_suite(f"gsm8k={wrong}")
+        load_suite(f"gsm8k-hub={wrong}")
+
+
+def test_offline_real_target_suites_read_the_fetched_files(tmp_path, monkeypatch):
+    """mtbench / gsm8k / humaneval name the files `make real-target` writes (messages rows): both
+    MT-Bench turns are user turns (the target writes the first answer during evaluation)."""
+    import dflash_train.suites as suites
+
+    defs = suite_definitions()
+    for name in ("mtbench", "gsm8k", "humaneval"):
+        assert defs[name]["file"] == f"data/real/prompts/{name}.jsonl"
+    root = tmp_path / "checkout"
+    (root / "eval").mkdir(parents=True)
+    (root / "eval" / "suites.yaml").write_text(suites.SUITES_FILE.read_text())
+    (root / "data" / "real" / "prompts").mkdir(parents=True)
+    rows = [{"messages": [{"role": "user", "content": "Write a haiku."}, {"role": "user", "content": "Now shorter."}]}]
+    (root / "data" / "real" / "prompts" / "mtbench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(suites, "SUITES_FILE", root / "eval" / "suites.yaml")
+    name, prompts = load_suite("mtbench")
+    assert name == "mtbench" and prompts[0].turns == ["Write a haiku.", "Now shorter."]
+    with pytest.raises(UserError, match="not found"):
+        load_suite("gsm8k")  # not fetched

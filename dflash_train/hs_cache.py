@@ -29,7 +29,8 @@ from dflash_train.data import check_data_path, load_conversations
 from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
 from dflash_train.outputs import match_umask, require_free_output, sibling, write_marker
 from dflash_train.progress import BAR_INTERVAL
-from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin, target_forward
+from dflash_train.target import (Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin,
+                                 target_dtype, target_forward)
 
 MANIFEST, PARTIAL = "manifest.json", "manifest.partial.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}

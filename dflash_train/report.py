@@ -80,9 +80,9 @@ def markdown(report: dict) -> str:
               "prompt; the methods run back to back per prompt, in an order rotated from prompt to prompt, so a "
               "change in machine load lands on all of them. Interval: 90% bootstrap over prompts and repeats. "
               "tau = tokens per target forward, bonus token included, averaged over prompts. "
-              f"Loops = replies holding a repetition loop (a block of tokens repeated exactly, {MIN_REPEATS}+ times, over "
-              f"{MIN_LOOP_TOKENS}+ tokens: dflash_train/loops.py) out of all; tau without loops leaves out the prompts "
-              "with such a reply. "
+              f"Loops = replies holding a repetition loop (a block of tokens repeated exactly, {MIN_REPEATS}+ times, "
+              f"over {MIN_LOOP_TOKENS}+ tokens: dflash_train/loops.py) out of all; tau without loops leaves out the "
+              "prompts with such a reply. "
               "Stage times are medians per decoding round, prefill excluded.", "",
               f"Cost curve (median of {costs['rounds']} rounds after a {costs['context']}-token context): verify ms by "
               "width " + ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["verify_ms_by_width"].items())

@@ -34,6 +34,7 @@ from dflash_train.costs import measure_costs
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, TREE_SCORES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.loops import find_loop
 from dflash_train.outputs import require_free_output, write_atomically
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.report import write_report
@@ -176,8 +177,19 @@ def summarize(samples: list[Sample], ar: list[Sample], suite: str, n: int, args,
         "stage_ms_per_round": {s: median(per_round[s]) for s in STAGES},
         "prefill_ms_per_turn": round(1000 * sum(x.prefill_s for x in samples) / max(turns, 1), 3),
         **spine_summary(samples),
+        **loop_summary(samples),
     }
     return row, speedup
+
+
+def loop_summary(samples: list[Sample]) -> dict:
+    """Replies (turns) with a repetition loop (dflash_train/loops.py) out of all, and tau over the
+    samples none of whose replies loops: a loop is easy to draft, so it must not pass for a good
+    drafter. Each sample is judged by its own replies (at temperature > 0 methods reply differently)."""
+    looping = [sum(find_loop(t) is not None for t in x.outputs) for x in samples]
+    clean = [x.tau for x, k in zip(samples, looping) if not k and x.accept_lengths]
+    return {"replies": sum(len(x.outputs) for x in samples), "looping_replies": sum(looping),
+            "tau_without_loops": round(float(np.mean(clean)), 4) if clean else None}
 
 
 def spine_summary(samples: list[Sample]) -> dict:

@@ -31,6 +31,8 @@ its characters lie inside [reply start, end-of-turn token end]; so the supervise
 turn decode to exactly its reply plus the end-of-turn token, whatever the template puts around
 it (role headers, an empty `<think>\\n\\n</think>` block). Rows where a turn cannot be located
 (the template rewrites it), or a token crosses the edge of a reply, are dropped and counted.
+A reply cut by --max-new-tokens (--regenerate --keep-truncated) ends the conversation and is
+supervised up to the cut, with no end-of-turn token after it.
 
 Output: OUT (no split) or OUT/train and OUT/val, with columns input_ids and loss_mask, one row
 per conversation in input order (unless --shuffle); OUT/prepare_info.json records the input,
@@ -105,7 +107,10 @@ def _message(turn, fields: Fields, n: int) -> dict:
     name = turn.get(fields.role)
     if not isinstance(name, str) or name not in fields.roles:
         raise Malformed(f"turn {n} has role {name!r} (known: {', '.join(sorted(fields.roles))}; see --role-map)")
-    return {"role": fields.roles[name], "content": _text(turn.get(fields.content), f"turn {n} '{fields.content}'")}
+    message = {"role": fields.roles[name], "content": _text(turn.get(fields.content), f"turn {n} '{fields.content}'")}
+    if message["role"] == "assistant" and turn.get("truncated") is True:
+        message["truncated"] = True  # cut by --max-new-tokens (regenerated.jsonl): see encode_conversations
+    return message
 
 
 def normalize(row: dict, fmt: str, fields: Fields) -> list[dict]:
@@ -289,7 +294,7 @@ def assistant_spans(text: str, messages: list[dict], eot: str) -> list[tuple[int
         if found is None:
             return None
         if m["role"] == "assistant":
-            spans.append((found[0], found[1] + len(eot)))
+            spans.append((found[0], found[1] + (0 if m.get("truncated") else len(eot))))
         pos = found[1] + (len(eot) if m["role"] == "assistant" else 0)
     return spans
 
@@ -314,10 +319,15 @@ def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int
 
 def encode_conversations(tokenizer, conversations: list[list[dict]], eot: str, max_length: int,
                          enable_thinking: bool, batch: int = 256) -> Iterator[tuple[list[int], list[int]] | str]:
-    """Per conversation, in order: (input_ids, loss_mask) truncated to max_length, or a drop reason."""
+    """Per conversation, in order: (input_ids, loss_mask) truncated to max_length, or a drop reason.
+    A reply marked "truncated" (cut by --max-new-tokens) ends the conversation where the target
+    stopped: the text is cut right after it, so its end-of-turn token is neither labelled nor
+    input, and later turns are left out."""
     for lo in range(0, len(conversations), batch):
         results, texts, where = [], [], []
         for messages in conversations[lo:lo + batch]:
+            cut = next((k for k, m in enumerate(messages) if m.get("truncated")), None)
+            messages = messages if cut is None else messages[:cut + 1]
             if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
                 results.append("no_assistant_turn")
                 continue
@@ -328,6 +338,8 @@ def encode_conversations(tokenizer, conversations: list[list[dict]], eot: str, m
                 continue
             spans = assistant_spans(text, messages, eot)
             results.append(spans if spans is not None else "turn_not_located")
+            if spans is not None and cut is not None:
+                text = text[:spans[-1][1]]
             if spans is not None:
                 texts.append(text)
                 where.append(len(results) - 1)
@@ -396,7 +408,8 @@ def parse_args(argv):
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=2048, help="per assistant turn")
     g.add_argument("--keep-truncated", action="store_true",
-                   help="keep answers cut by --max-new-tokens (default: drop the conversation)")
+                   help="keep answers cut by --max-new-tokens, supervised up to the cut with no end-of-turn token; "
+                        "a cut answer ends its conversation (default: drop the conversation)")
     g.add_argument("--batch-size", type=int, default=16, help="conversations per generate call")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (transformers backend)")
     g.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",

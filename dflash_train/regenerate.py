@@ -16,7 +16,11 @@ target's own text (DFlash trains on target-regenerated answers). Used by `dflash
   settings skips the conversations found there. Other settings or input stop with an error.
 - Drops (the conversation is dropped, counted by reason): `empty_generation` (an answer with no
   text), `hit_max_new_tokens` (an answer cut by --max-new-tokens before the end-of-turn token,
-  unless --keep-truncated: a cut answer would teach a made-up end of turn), `no_user_turn`.
+  unless --keep-truncated), `no_user_turn`.
+- --keep-truncated: a cut answer ends the conversation (no later turn is answered after it) and is
+  stored as {"role": "assistant", "content": ..., "truncated": true}; dflash-prepare then
+  supervises its tokens up to the cut and no end-of-turn token after it, since the target never
+  wrote one there (prepare.encode_conversations).
 - Backends: `transformers` (batched `generate`) or `vllm` (when importable; same output).
 """
 
@@ -168,9 +172,10 @@ def regenerate_chunk(convs: list[list[dict]], tokenizer, generate: GenerateFn, s
     points = [answer_points(c) for c in convs]
     history = [[] for _ in convs]
     dropped = [None if p else "no_user_turn" for p in points]
+    cut = [False] * len(convs)  # ended by a truncated answer (--keep-truncated)
     tokens = [0] * len(convs)
     for k in range(max(len(p) for p in points)):
-        active = [i for i, p in enumerate(points) if k < len(p) and dropped[i] is None]
+        active = [i for i, p in enumerate(points) if k < len(p) and dropped[i] is None and not cut[i]]
         if not active:
             break
         for i in active:
@@ -184,6 +189,9 @@ def regenerate_chunk(convs: list[list[dict]], tokenizer, generate: GenerateFn, s
                 dropped[i] = "empty_generation"
             elif not g.stopped and not s.keep_truncated:
                 dropped[i] = "hit_max_new_tokens"
+            elif not g.stopped:
+                history[i].append({"role": "assistant", "content": text, "truncated": True})
+                cut[i] = True
             else:
                 history[i].append({"role": "assistant", "content": text})
     return [({"dropped": d} if d else {"messages": h}) | {"tokens": n} for d, h, n in zip(dropped, history, tokens)]
@@ -246,5 +254,7 @@ def regenerate(conversations: list[list[dict]], tokenizer, generate: GenerateFn,
     rows = [done[i] for i in range(len(conversations))]
     counts = Counter(r.get("dropped", "kept") for r in rows)
     stats = {"conversations": len(rows), "answered": counts.pop("kept", 0), "dropped": dict(counts),
+             "ended_by_truncated_answer": sum("messages" in r and r["messages"][-1].get("truncated", False)
+                                              for r in rows),
              "resumed": resumed, "generated_tokens": sum(r["tokens"] for r in rows)}
     return [r.get("messages", r.get("dropped")) for r in rows], stats

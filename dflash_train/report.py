@@ -8,6 +8,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dflash_train.loops import MIN_LOOP_TOKENS, MIN_REPEATS  # noqa: E402
 from dflash_train.speed import verdict_text  # noqa: E402
 
 
@@ -15,6 +16,10 @@ def _speedup(value, iv) -> str:
     if value is None:
         return "n/a"
     return f"{value:.2f}x" + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv and iv[0] != iv[1] else "")
+
+
+def _tau(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _method(r: dict) -> str:
@@ -47,14 +52,14 @@ def markdown(report: dict) -> str:
         rows = [r for r in report["results"] if r["suite"] == suite]
         lines += [f"## {suite} ({rows[0]['prompts']} prompts)", "",
                   "| method | budget | tau | speedup vs AR (90% interval) | tokens/s | lossless | draft ms | tree ms "
-                  "| verify ms | commit ms |",
-                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+                  "| verify ms | commit ms | loops | tau without loops |",
+                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
         for r in rows:
             s = r["stage_ms_per_round"]
             lossless = {True: "yes", False: "**NO**", None: "n/a (T>0)"}[r["lossless"]]
             lines.append(f"{_method(r)} {r['tau']:.2f} | {_speedup(r['speedup'], r['speedup_interval'])} | "
                          f"{r['tokens_per_s']} | {lossless} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:.2f}" for k in s)
-                         + " |")
+                         + f" | {r['looping_replies']}/{r['replies']} | {_tau(r['tau_without_loops'])} |")
         lines += ["", f"**Measured here, one request at a time:** {verdict_text(adv['measured'])}", "",
                   "Predicted speedup over AR when N requests share one verify forward "
                   "(width N x (budget + 1)), from this eval's cost curve:", ""]
@@ -75,6 +80,9 @@ def markdown(report: dict) -> str:
               "prompt; the methods run back to back per prompt, in an order rotated from prompt to prompt, so a "
               "change in machine load lands on all of them. Interval: 90% bootstrap over prompts and repeats. "
               "tau = tokens per target forward, bonus token included, averaged over prompts. "
+              f"Loops = replies holding a repetition loop (a block of tokens repeated exactly, {MIN_REPEATS}+ times, "
+              f"over {MIN_LOOP_TOKENS}+ tokens: dflash_train/loops.py) out of all; tau without loops leaves out the "
+              "prompts with such a reply. "
               "Stage times are medians per decoding round, prefill excluded.", "",
               f"Cost curve (median of {costs['rounds']} rounds after a {costs['context']}-token context): verify ms by "
               "width " + ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["verify_ms_by_width"].items())

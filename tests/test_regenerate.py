@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from datasets import load_from_disk
 
 from conftest import TINY_TARGET
 from dflash_train import prepare
 from dflash_train import regenerate as regen
+from dflash_train.data import load_conversations
 from dflash_train.errors import UserError
 from dflash_train.regenerate import Generation, Sampling
 from dflash_train.target import load_target
@@ -70,9 +72,22 @@ def test_history_holds_the_targets_own_answers_and_drops_are_counted(tiny_target
     assert seen[2].endswith(convs[0][3]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
     assert results[2:] == ["empty_generation", "hit_max_new_tokens"]
     assert stats["answered"] == 2 and stats["dropped"] == {"empty_generation": 1, "hit_max_new_tokens": 1}
-    # --keep-truncated keeps the cut answer.
+    # --keep-truncated keeps the cut answer, marked as cut.
     results, _ = regen.regenerate(convs, tok, fake_generate(tok, replies, []), GREEDY, tmp_path / "w2", {})
-    assert results[3][-1] == {"role": "assistant", "content": "cut off"}
+    assert results[3][-1] == {"role": "assistant", "content": "cut off", "truncated": True}
+
+
+def test_a_kept_truncated_answer_ends_the_conversation(tiny_target, tmp_path):
+    tok = tiny_target.tokenizer
+    convs = tiny_conversations(2)  # two user turns each
+    seen = []
+    results, stats = regen.regenerate(convs, tok, fake_generate(tok, {1: ("cut off", False)}, seen), GREEDY,
+                                      tmp_path / "w", {})
+    # row 0's first answer was cut: its second user turn is never asked, nor written
+    assert results[0] == convs[0][:2] + [{"role": "assistant", "content": "cut off", "truncated": True}]
+    assert len(seen) == 3 and convs[0][3]["content"] not in "".join(seen)
+    assert [m.get("truncated") for m in results[1] if m["role"] == "assistant"] == [None, None]
+    assert stats["answered"] == 2 and stats["ended_by_truncated_answer"] == 1
 
 
 def test_batched_generation_matches_one_at_a_time(tiny_target):
@@ -96,7 +111,9 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(qwen3_random_targ
     target = load_target(str(qwen3_random_target_dir))
     tok, convs = target.tokenizer, tiny_conversations(6)
     s = replace(GREEDY, temperature=1.0, top_p=0.9, seed=7, max_new_tokens=12)
-    generate = regen.transformers_generate(target, regen.stop_token_ids(tok, "<|im_end|>"), s)
+    # Its answers are all cut at 12 tokens: counted as finished here, so that every turn is asked.
+    finished = lambda generate: lambda p, seed: [replace(g, stopped=True) for g in generate(p, seed)]  # noqa: E731
+    generate = finished(regen.transformers_generate(target, regen.stop_token_ids(tok, "<|im_end|>"), s))
     record = {"target": str(qwen3_random_target_dir)} | vars(s)
     calls = []
 
@@ -118,7 +135,8 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(qwen3_random_targ
     fresh, _ = regen.regenerate(convs, tok, generate, s, tmp_path / "fresh", record)
     assert resumed == fresh
     s8 = replace(s, seed=8)
-    other, _ = regen.regenerate(convs, tok, regen.transformers_generate(target, [2], s8), s8, tmp_path / "s8", record)
+    other, _ = regen.regenerate(convs, tok, finished(regen.transformers_generate(target, [2], s8)), s8,
+                                tmp_path / "s8", record)
     assert other != fresh
     # Resuming with other settings is refused rather than mixing answers.
     with pytest.raises(UserError, match="other settings"):
@@ -141,6 +159,54 @@ def test_prepare_regenerate_cli(tmp_path):
     users = lambda convs: [[m for m in c if m["role"] == "user"] for c in convs]  # noqa: E731
     assert users(rows) == users(source)
     assert info["counts"]["kept"] == 4 and not (tmp_path / "out.work").exists()
+
+
+def test_kept_truncated_answer_is_supervised_to_the_cut_without_end_of_turn(tmp_path):
+    """The tiny target's first answer (41 tokens) is cut at 12; the next rows' answers stop by
+    themselves. The cut row ends with exactly the 12 generated tokens, all supervised, and no
+    end-of-turn token; a stopped answer still has its end-of-turn token labelled. Training on
+    regenerated.jsonl directly masks it the same way."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(TINY_DATA.read_text().splitlines(keepends=True)[:3]))
+    out = tmp_path / "out"
+    prepare.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output", str(out),
+                  "--regenerate", "--max-new-tokens", "12", "--batch-size", "4", "--min-supervised-tokens", "2",
+                  "--keep-truncated"])
+    target = load_target(str(TINY_TARGET))
+    tok = target.tokenizer
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    first = tiny_conversations(1)[0][:2]  # system + first user turn
+    s = replace(GREEDY, max_new_tokens=12)
+    cut = regen.transformers_generate(target, regen.stop_token_ids(tok, "<|im_end|>"), s)(
+        [regen._prompt_ids(tok, first, False)], 0)[0]
+    assert not cut.stopped and len(cut.tokens) == 12
+
+    regenerated = [json.loads(line)["messages"] for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert regenerated[0] == first + [{"role": "assistant", "content": tok.decode(cut.tokens), "truncated": True}]
+    # row 1: the first answer stopped, the second (a long sum) was cut; row 2's answer stopped
+    assert [m.get("truncated") for m in regenerated[1] if m["role"] == "assistant"] == [None, True]
+    assert not any(m.get("truncated") for m in regenerated[2])
+    info = json.loads((out / "prepare_info.json").read_text())
+    assert info["regeneration"]["stats"]["ended_by_truncated_answer"] == 2
+    rows = load_from_disk(str(out))
+    ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
+    assert ids[-12:] == cut.tokens and mask[-12:] == [1] * 12 and sum(mask) == 12 and eot not in ids[-13:]
+
+    def supervised(row):  # the decoded runs of supervised tokens
+        runs, cur = [], []
+        for t, m in zip(row["input_ids"], row["loss_mask"] + [0]):
+            if m:
+                cur.append(t)
+            elif cur:
+                runs, cur = runs + [tok.decode(cur)], []
+        return runs + ([tok.decode(cur)] if cur else [])
+
+    replies = lambda k: [m["content"] for m in regenerated[k] if m["role"] == "assistant"]  # noqa: E731
+    assert supervised(rows[1]) == [replies(1)[0] + "<|im_end|>", replies(1)[1]]  # a stopped answer keeps its eot
+    assert rows[1]["input_ids"][-1] != eot and rows[1]["loss_mask"][-1] == 1
+    assert supervised(rows[2]) == [replies(2)[0] + "<|im_end|>"]
+    from_jsonl = load_conversations(str(out / "regenerated.jsonl"), tok, 4096)
+    assert from_jsonl["input_ids"] == rows["input_ids"] and from_jsonl["loss_mask"] == rows["loss_mask"]
 
 
 def test_vllm_backend_needs_vllm():

@@ -55,7 +55,7 @@ from dflash_train.loss import acceptance_counts, acceptance_metrics, dflash_loss
 from dflash_train.outputs import (KINDS, MARKER, check_folder_path, is_empty, marker_kind, model_source,
                                   refuse_overlap, resolve_input, sibling, write_marker)
 from dflash_train.progress import BAR_INTERVAL
-from dflash_train.target import load_target
+from dflash_train.target import load_target, native_bf16
 
 DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
@@ -355,10 +355,13 @@ def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> No
 
 
 def choose_precision(cfg: RunConfig) -> str:
-    bf16_ok = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if cfg.train.precision == "bf16" and not bf16_ok:
-        raise UserError("train.precision=bf16 needs a GPU with bf16 support (use auto or fp32)")
-    return "bf16" if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and bf16_ok) else "no"
+    """auto = bf16 on a GPU that has it, else fp32. bf16 by name also on a CPU that runs it natively
+    (AVX-512 BF16 / AMX: CPU autocast, the frozen target in bf16), never silently: it changes the numbers."""
+    gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if cfg.train.precision == "bf16" and not (gpu_bf16 or native_bf16("cpu")):
+        raise UserError("train.precision=bf16 needs a GPU with bf16 support or a CPU with AVX-512 BF16 / AMX "
+                        "(use auto or fp32)")
+    return "bf16" if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and gpu_bf16) else "no"
 
 
 def parse_args(argv):

@@ -126,3 +126,17 @@ def test_dflash2_recipes_are_their_dflash_recipe_plus_dflash2(name):
             for k, v in values.items():
                 if (section, k) not in DFLASH2_KEYS:
                     assert dflash2[section][k] == v, (section, k)
+
+
+@pytest.mark.parametrize("variant", ["", "-dspark", "-dflash2"])
+def test_smollm2_recipes(variant):
+    """The real-target recipes (make real-target): taps by DFlash's rule for SmolLM2's 30 layers, the
+    mask an existing special token chat never uses, the three variants on one backbone and schedule."""
+    base = load_recipe(ROOT / "recipes" / "smollm2-135m.yaml")
+    cfg = load_recipe(ROOT / "recipes" / f"smollm2-135m{variant}.yaml")
+    m = cfg.model
+    assert m.target_layer_ids == build_target_layer_ids(30, m.num_layers) == [1, 27]
+    assert m.mask_token == "<empty_output>" and m.mask_token_id is None
+    assert m.variant == (variant[1:] or "dflash")
+    assert (cfg.max_steps, cfg.train, cfg.data, cfg.loss.terms, m.block_size) == \
+        (base.max_steps, base.train, base.data, base.loss.terms, base.model.block_size)

@@ -3,8 +3,9 @@ validates, decodes losslessly (chain and trees) and exports; vLLM 0.33's own con
 the export with the right taps, mask id, block size and causality.
 
 SmolLM2-135M-Instruct in miniature: `tie_word_embeddings` (one matrix is both the embedding and the
-LM head, and the checkpoint holds no lm_head.weight) and no spare vocabulary row, so the mask is an
-existing special token (`<empty_output>`) rather than a dedicated <|MASK|>."""
+LM head, and the checkpoint holds no lm_head.weight), padding with the EOS token, and no spare
+vocabulary row, so the mask is an existing special token that chat never produces (SmolLM2's
+<empty_output>; here <|endoftext|>, id 0) and the tokenizer has no <|MASK|> at all."""
 
 import json
 import shutil
@@ -21,26 +22,28 @@ from dflash_train.decode import decode
 from dflash_train.export import main as export_main
 from dflash_train.target import load_target
 
-MASK = "<empty_output>"
+MASK, MASK_ID = "<|endoftext|>", 0
 QUESTIONS = ["What is 23 + 59?", "Tell me about Oakgate.", "Hello!"]
 
 
 @pytest.fixture(scope="module")
 def tied_target_dir(tmp_path_factory):
-    """6-layer Llama, tied embeddings, the bundled tokenizer with its <|MASK|> renamed <empty_output>
-    (a special token like SmolLM2's: same id, a name our default mask_token does not match)."""
+    """6-layer Llama, tied embeddings; the bundled tokenizer with its <|MASK|> renamed (so only
+    model.mask_token can make <|endoftext|> the mask) and, like SmolLM2's, EOS as the pad token."""
     out = tmp_path_factory.mktemp("tied") / "target"
     tok_dir = out.parent / "tok"
     shutil.copytree(TINY_TARGET, tok_dir)
     for name in ["tokenizer.json", "tokenizer_config.json"]:
-        (tok_dir / name).write_text((tok_dir / name).read_text().replace("<|MASK|>", MASK))
+        (tok_dir / name).write_text((tok_dir / name).read_text().replace("<|MASK|>", "<|unused|>"))
     tok = AutoTokenizer.from_pretrained(tok_dir)
-    assert MASK in tok.all_special_tokens or MASK in tok.get_added_vocab()
+    tok.pad_token = tok.eos_token
+    assert "<|MASK|>" not in tok.get_vocab() and tok.convert_tokens_to_ids(MASK) == MASK_ID != tok.pad_token_id
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                          tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          bos_token_id=None)
     torch.manual_seed(0)
+    config.initializer_range = 0.1  # greedy output that repeats a token, then moves on (0.02: one token forever)
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
@@ -74,7 +77,7 @@ def test_trains_and_validates_with_the_special_token_mask(run_dir, tied_target_d
     assert val["eal"] >= 1.0 and len(val["acc_per_position"]) == 7 and set(val["ddtree_tau"]) == {"8"}
     drafter, meta = load_drafter(run_dir / "final")
     tok = AutoTokenizer.from_pretrained(tied_target_dir)
-    assert meta["mask_token"] == MASK and drafter.config.mask_token_id == tok.convert_tokens_to_ids(MASK) == 1023
+    assert meta["mask_token"] == MASK and drafter.config.mask_token_id == tok.convert_tokens_to_ids(MASK) == MASK_ID
     # the drafter borrows the target's (tied) matrix: its own weights hold no copy of it
     saved = load_file(run_dir / "final" / "model.safetensors")
     assert not {k for k in saved if "embed" in k or "lm_head" in k}
@@ -86,6 +89,7 @@ def test_decoding_is_lossless(run_dir, tied_target_dir, method, budget):
     target = load_target(str(tied_target_dir))
     drafter = load_drafter(run_dir / "final")[0].eval()
     stops = stop_token_ids(target.model, target.tokenizer)
+    emitted = rounds = 0
     for q in QUESTIONS:
         ids = chat_prompt(target.tokenizer, q)
         greedy = target.model.generate(ids, max_new_tokens=32, do_sample=False)[0, ids.shape[1]:].tolist()
@@ -94,6 +98,8 @@ def test_decoding_is_lossless(run_dir, tied_target_dir, method, budget):
         r = decode(target, drafter, ids, method, budget, max_new_tokens=32, stop_ids=stops)
         assert r.tokens == ar, q
         assert all(1 <= a <= drafter.config.block_size for a in r.accept_lengths)
+        emitted, rounds = emitted + sum(r.accept_lengths), rounds + len(r.accept_lengths)
+    assert emitted / rounds > 1.0  # some guesses were accepted (and some rejected): compaction ran
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "dflash"])
@@ -112,7 +118,7 @@ def test_export_reads_right_in_vllm(fmt, run_dir, tied_target_dir, tmp_path):
     layers = ours.config.num_hidden_layers
     assert [vllm_layer_causal(config, i) for i in range(layers)] == [False] * layers
     assert config.dflash_config["target_layer_ids"] == ours.config.target_layer_ids == [1, 3]
-    assert config.dflash_config["mask_token_id"] == ours.config.mask_token_id == 1023
+    assert config.dflash_config["mask_token_id"] == ours.config.mask_token_id == MASK_ID
     if fmt == "speculators":
         _, spec = speculators_conversion(out)
         assert spec == {"method": "dflash", "num_speculative_tokens": ours.config.block_size - 1}

@@ -112,6 +112,11 @@ def test_convert_gguf_gives_a_plain_folder_computing_the_ggufs_logits(tiny_gguf,
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "llama" and config["tie_word_embeddings"] is True
     assert "quantization_config" not in config and config["num_hidden_layers"] == 2
+    # the GGUF's metadata, not transformers' defaults
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+    assert config["max_position_embeddings"] == 256 and config["rope_parameters"]["rope_theta"] == 10000.0
+    assert config["num_key_value_heads"] == 2 and config["vocab_size"] == len(SPECIALS) + 256 + len(MERGES)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 2
 
     # independent of convert_gguf: the folder as transformers loads it, against the GGUF as it loads it
     plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()

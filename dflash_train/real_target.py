@@ -245,6 +245,9 @@ def setup(dest: Path) -> dict:
     if all(done.values()):
         print(f"real target ready: {model_dir} and {prompts_dir} (nothing to do)")
         return {"model": model_dir, "prompts": prompts_dir}
+    for folder, done_here in [(model_dir, done["model"]), (prompts_dir, done["prompts"])]:
+        if not done_here and folder.exists() and any(folder.iterdir()):
+            raise UserError(f"'{folder}' exists but was not completed by make real-target: move it away to rebuild it")
     wheels = fetch_wheels(dest)
     raw = dest / "raw"
     if not done["model"]:

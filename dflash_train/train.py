@@ -117,6 +117,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
+    tree_blocks_left = cfg.eval.ddtree_max_blocks  # over the whole validation, on this process
     for i in tqdm(range(0, -(-len(val_ds) // accelerator.num_processes), bs), desc="validate", leave=False, position=0,
                   disable=not accelerator.is_main_process, dynamic_ncols=True, mininterval=BAR_INTERVAL):
         chunk = rows[i : i + bs]
@@ -129,10 +130,11 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
                 continue
             # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
             # backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at a time
-            flat = [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.draft_hidden, m["labels"], o.valid)]
+            flat = [x.flatten(0, 1)[:tree_blocks_left] for x in (o.draft_hidden, m["labels"], o.valid)]
             if conditional is not None:
-                flat += [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.block_hidden, o.bonus)]
-            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(flat[0])
+                flat += [x.flatten(0, 1)[:tree_blocks_left] for x in (o.block_hidden, o.bonus)]
+            tree_blocks_left -= len(flat[0])
+            n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
             tree = torch.zeros(sizes[2], dtype=torch.float64)
             for j in range(0, len(flat[0]), n):
                 hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
@@ -318,11 +320,13 @@ class StopRequest:
     """SIGINT during the training loop sets `requested` instead of raising wherever Python happens
     to be (a KeyboardInterrupt raised inside a finaliser is swallowed, and one raised mid-step
     leaves other processes waiting in a collective). The loop stops after the step, on every
-    process together. A second SIGINT raises at once, as Python's default handler does."""
+    process together. A second SIGINT raises at once, as Python's default handler does. An ignored
+    SIGINT (a `cmd &` job of a non-interactive shell) stays ignored."""
 
     def __init__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGINT, self._request)
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        self._previous = None if ignored else signal.signal(signal.SIGINT, self._request)
 
     def _request(self, signum, frame):
         self.requested = True

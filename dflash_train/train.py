@@ -740,8 +740,8 @@ def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path
 
 def check_finite_weights(weights: dict, accelerator, step: int, out: Path) -> None:
     """Before writing a checkpoint or final/: every weight finite, decided on every process together
-    (under FSDP / ZeRO-3 only the main process holds the gathered weights)."""
-    bad = [k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    (under FSDP / ZeRO-3 only the main process holds the gathered weights: the others hold {} or None)."""
+    bad = [k for k, v in (weights or {}).items() if v.is_floating_point() and not torch.isfinite(v).all()]
     n = accelerator.reduce(torch.tensor([float(len(bad))], device=accelerator.device), reduction="sum").item()
     if n:
         raise UserError(f"step {step}: the drafter's weights are not finite{f' ({bad[0]})' if bad else ''}: nothing "

@@ -9,14 +9,17 @@ Folders are written to a temporary sibling and renamed, so a reader never sees h
 
 import hashlib
 import json
+import re
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_train.config import ModelConfig
-from dflash_train.errors import UserError
+from dflash_train.errors import UserError, read_json, validated
 from dflash_train.formats import drafter_config_from, read_config
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.outputs import match_umask, model_source, write_atomically
@@ -64,15 +67,19 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m),
+        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m, tc),
         **dflash2_fields(m, tc),
     )
 
 
-def dspark_fields(m: ModelConfig) -> dict:
-    """The DSpark part of a DrafterConfig (its defaults for DFlash)."""
+def dspark_fields(m: ModelConfig, tc) -> dict:
+    """The DSpark part of a DrafterConfig (its defaults for DFlash), checked against the target's
+    config `tc` before anything is allocated."""
     if m.variant != "dspark":
         return {}
+    if m.markov_rank > tc.vocab_size:  # W2(W1[x]) is a V x V bias: its rank is at most V
+        raise UserError(f"model.markov_rank {m.markov_rank} exceeds the target's vocabulary ({tc.vocab_size}): "
+                        f"a rank above {tc.vocab_size} adds nothing")
     return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
             "confidence_head": m.confidence_head,
             "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
@@ -88,6 +95,8 @@ def dflash2_fields(m: ModelConfig, tc) -> dict:
                         f"{tc.hidden_size}")
     if m.conv_kernel_size > m.block_size:
         raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size {m.block_size}")
+    if m.selector_rank > tc.vocab_size:  # the codebooks are [V, r]: a rank above V adds nothing
+        raise UserError(f"model.selector_rank {m.selector_rank} exceeds the target's vocabulary ({tc.vocab_size})")
     if m.selector_top_k > tc.vocab_size:
         raise UserError(f"model.selector_top_k {m.selector_top_k} exceeds the target's vocabulary ({tc.vocab_size})")
     return {"variant": "dflash2", "conv_kernel_size": m.conv_kernel_size, "conv_group_size": m.conv_group_size,
@@ -244,20 +253,50 @@ def write_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recip
     match_umask(folder)  # safetensors writes 0600
 
 
+CHECKPOINT_NAME = re.compile(r"step_(\d+)")  # as the trainer names them: step_000012
+
+
+class StepMarker(BaseModel):
+    """trainer_state.json: written last, it marks a complete checkpoint."""
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=1)
+
+
+class TrainerState(BaseModel):
+    """trainer_state.pt: what an exact resume needs besides the weights."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    step: int = Field(ge=1)
+    epoch: int = Field(ge=0)
+    batches_in_epoch: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    train_time: float = Field(ge=0)
+    scheduler: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None under DeepSpeed (its engine keeps its own)
+    engine: Literal["single", "ddp", "fsdp", "deepspeed"]
+
+
 def newest_checkpoint(out: Path) -> Path | None:
-    """The newest complete checkpoint (temporary folders of interrupted writes are ignored)."""
-    done = [p for p in (out / "checkpoints").glob("step_*") if (p / "trainer_state.json").is_file()]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+    """The newest complete checkpoint: a folder named as the trainer names them (a copy such as
+    step_000002.bak and temporary folders of interrupted writes are ignored)."""
+    done = [p for p in (out / "checkpoints").glob("step_*")
+            if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]), default=None)
 
 
 def load_checkpoint(folder: Path) -> tuple[dict, dict]:
-    """-> (drafter weights, trainer state). The state holds tensors, numbers and dicts only."""
+    """-> (drafter weights, trainer state). The state holds tensors, numbers and dicts only, and
+    is checked against TrainerState (a violation names the file and the field)."""
+    marker = read_json(folder / "trainer_state.json", StepMarker)
     weights = read_safetensors(folder / "model.safetensors")
     try:
         state = torch.load(folder / "trainer_state.pt", weights_only=True)
     except Exception as e:  # torch raises many types for a damaged pickle
         raise UserError(f"checkpoint '{folder}' is damaged ({type(e).__name__}: {first_line(e)}): "
                         "delete it to resume from the one before") from None
+    validated(TrainerState, state, str(folder / "trainer_state.pt"))
+    if state["step"] != marker.step:
+        raise UserError(f"checkpoint '{folder}' is damaged: trainer_state.pt is of step {state['step']}, "
+                        f"trainer_state.json of step {marker.step}")
     return weights, state
 
 

@@ -24,8 +24,9 @@ REPLACED_KEYS = {
 
 
 class Section(BaseModel):
-    # extra="forbid": a misspelt key is an error, never silently ignored.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # extra="forbid": a misspelt key is an error, never silently ignored; allow_inf_nan=False:
+    # .inf and .nan are refused (loss.terms.ce=.inf trained an all-NaN drafter).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -123,7 +124,7 @@ class EvalConfig(Section):
     # Teacher-forced DDTree acceptance at these tree budgets (tree from the drafter's block
     # distributions, walked along the target's tokens), to pick checkpoints per deployed budget.
     ddtree_budgets: list[Annotated[int, Field(ge=0)]] = [16, 64]
-    ddtree_max_blocks: int = Field(2000, ge=1)  # blocks per process scored with trees (CPU heap work)
+    ddtree_max_blocks: int = Field(2000, ge=1)  # blocks scored with trees per validation, per process (CPU heap work)
 
 
 class WandbConfig(Section):
@@ -157,8 +158,47 @@ def _format_error(e: ValidationError) -> str:
     return f"{where}{err['msg']} (got {err['input']!r})"
 
 
+def _has_glued_key(value) -> bool:
+    """Did a flow mapping lose its values? YAML reads `{tv:1.0}` as the key 'tv:1.0' with no value."""
+    if isinstance(value, dict):
+        return any((isinstance(k, str) and ":" in k and v is None) or _has_glued_key(v) for k, v in value.items())
+    return isinstance(value, list) and any(_has_glued_key(v) for v in value)
+
+
+def _space_colons(raw: str) -> str:
+    """`{tv:1.0,kl:0.5}` (Hydra's spelling) -> `{tv: 1.0,kl: 0.5}` (YAML's): a space after each
+    colon outside quotes."""
+    out, quote = [], None
+    for i, ch in enumerate(raw):
+        out.append(ch)
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch == ":" and i + 1 < len(raw) and not raw[i + 1].isspace():
+            out.append(" ")
+    return "".join(out)
+
+
+def parse_value(raw: str):
+    """An override's value as YAML (3 -> int, [1, 2] -> list, {ce: 1.0} -> dict), also in Hydra's
+    spelling without spaces ({ce:1.0,kl:0.5}); not YAML -> the string itself."""
+    if raw == "":
+        return None
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if _has_glued_key(value):
+        try:
+            return yaml.safe_load(_space_colons(raw))
+        except yaml.YAMLError:
+            pass
+    return value
+
+
 def apply_override(tree: dict, override: str) -> None:
-    """Set `a.b.c=value` in a nested dict; the value is parsed as YAML (3 -> int, [1, 2] -> list)."""
+    """Set `a.b.c=value` in a nested dict; the value is parsed by parse_value."""
     key, sep, raw = override.partition("=")
     if not sep or not key:
         raise UserError(f"override '{override}' is not of the form key=value (e.g. train.lr=1e-4)")
@@ -168,10 +208,7 @@ def apply_override(tree: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise UserError(f"override '{override}': '{part}' is not a section")
-    try:
-        node[parts[-1]] = yaml.safe_load(raw) if raw != "" else None
-    except yaml.YAMLError:
-        node[parts[-1]] = raw
+    node[parts[-1]] = parse_value(raw)
 
 
 def load_recipe(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:

@@ -19,14 +19,16 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Annotated, Literal
 
 import torch
-from safetensors import safe_open
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dflash_train.data import check_data_path, load_conversations
-from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
+from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard, read_json
 from dflash_train.outputs import match_umask, require_free_output, sibling, write_marker
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import (Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin,
@@ -35,6 +37,45 @@ from dflash_train.target import (Target, build_target_layer_ids, check_tap_layer
 MANIFEST, PARTIAL = "manifest.json", "manifest.partial.json"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "fp8": torch.float8_e4m3fn}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Opening a cache hashes its shards when they hold at most this many bytes in all; larger caches
+# are checked by size and safetensors header only (hashing 100s of GiB would take minutes).
+HASH_LIMIT = 1 << 30
+
+
+class CacheShard(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    file: str = Field(pattern=r"^shard_\d{5}\.safetensors$")
+    rows: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]  # [lo, hi)
+    tokens: int = Field(ge=0)
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    bytes: int | None = Field(None, ge=0)  # absent in caches from before it was recorded
+
+
+class CacheManifest(BaseModel):
+    """manifest.json (and manifest.partial.json, whose bytes_on_disk is absent)."""
+    model_config = ConfigDict(extra="forbid")
+    target: str
+    target_pin: dict
+    target_layer_ids: list[int]
+    hidden_size: int = Field(ge=1)
+    dtype: Literal["bfloat16", "float32", "fp8"]
+    rows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    bytes_per_token: int = Field(ge=1)
+    dataset_sha256: str
+    shard_rows: int = Field(ge=1)
+    shards: list[CacheShard]
+    bytes_on_disk: int | None = Field(None, ge=0)
+
+    @model_validator(mode="after")
+    def _shards_tile_the_rows(self):
+        # HiddenStateCache finds row r in shard r // shard_rows
+        for s, shard in enumerate(self.shards):
+            want = (s * self.shard_rows, min((s + 1) * self.shard_rows, self.rows))
+            if tuple(shard.rows) != want or shard.file != f"shard_{s:05d}.safetensors":
+                raise ValueError(f"shard {s} is {shard.file} rows {list(shard.rows)}, expected "
+                                 f"shard_{s:05d}.safetensors rows {list(want)}")
+        return self
 
 
 def dataset_hash(ds) -> str:
@@ -92,14 +133,22 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
             "target_layer_ids": list(layer_ids), "hidden_size": H, "dtype": dtype,
             "rows": len(ds), "tokens": sum(lengths), "bytes_per_token": bytes_per_token(len(layer_ids), H, dtype),
             "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows}
-    old = None
+    old, found = None, None
     if (out / MANIFEST).exists() or (out / PARTIAL).exists():
-        found = json.loads(((out / MANIFEST) if (out / MANIFEST).exists() else (out / PARTIAL)).read_text())
+        found = read_json((out / MANIFEST) if (out / MANIFEST).exists() else (out / PARTIAL), CacheManifest)
+        found = found.model_dump(exclude_none=True)
         same = {k: v for k, v in found.items() if k in head} == head
         if same and (out / MANIFEST).exists() and not overwrite:
-            print(f"hidden-state cache '{out}' is already complete ({found['rows']} rows, {found['tokens']:,} tokens): "
-                  "nothing to do", file=sys.stderr)
-            return found
+            try:
+                check_complete(out)
+            except UserError as e:  # a shard was deleted or damaged since: rebuild what is missing
+                print(f"{e}: rebuilding it", file=sys.stderr)
+                _write_json(out / PARTIAL, {k: v for k, v in found.items() if k != "bytes_on_disk"})
+                (out / MANIFEST).unlink()  # no longer complete: training refuses it until rebuilt
+            else:
+                print(f"hidden-state cache '{out}' is already complete ({found['rows']} rows, {found['tokens']:,} "
+                      "tokens): nothing to do", file=sys.stderr)
+                return found
         if not same and not overwrite:
             raise UserError(f"'{out}' holds a {'complete' if (out / MANIFEST).exists() else 'partial'} cache for other "
                             "settings (target, taps, dtype, shard rows or data): pass --overwrite to replace it")
@@ -112,7 +161,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
         shutil.rmtree(old)
     for stale in out.glob(".shard_*.tmp"):  # cut off by an interruption
         stale.unlink()
-    partial = json.loads((out / PARTIAL).read_text()) if (out / PARTIAL).exists() else None
+    partial = found if old is None else None  # the shards an earlier build of these settings listed
     done = {s["file"]: s for s in (partial or {}).get("shards", [])
             if (out / s["file"]).is_file() and _sha256(out / s["file"]) == s["sha256"]}
     print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} bytes/token "
@@ -147,7 +196,8 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
         save_file(tensors, tmp)
         match_umask(tmp)  # safetensors writes 0600
         os.replace(tmp, out / name)  # a shard is either absent or complete
-        shards.append({"file": name, "rows": [lo, hi], "tokens": sum(lengths[lo:hi]), "sha256": _sha256(out / name)})
+        shards.append({"file": name, "rows": [lo, hi], "tokens": sum(lengths[lo:hi]), "sha256": _sha256(out / name),
+                       "bytes": (out / name).stat().st_size})
         _write_json(out / PARTIAL, {**head, "shards": shards})
     manifest = {**head, "shards": shards, "bytes_on_disk": sum((out / s["file"]).stat().st_size for s in shards)}
     _write_json(out / MANIFEST, manifest)
@@ -185,17 +235,54 @@ class HiddenStateCache:
         return pad(taps).to(device, dtype), pad(last).to(device, dtype)
 
 
-def check_complete(path: Path) -> None:
+def check_complete(path: Path) -> dict:
+    """A cache training can read from start to end, else one UserError line: the manifest is whole
+    and well-formed, and every shard it lists is there with its recorded size and a readable
+    safetensors header holding its rows (and, up to HASH_LIMIT bytes in all, its recorded SHA-256).
+    Runs before a training run touches its output_dir. -> the manifest."""
     if not (path / MANIFEST).is_file():
         hint = " (its build did not finish: rerun dflash-cache to resume)" if (path / PARTIAL).is_file() else ""
         raise UserError(f"'{path}' is not a complete hidden-state cache{hint}")
+    m = read_json(path / MANIFEST, CacheManifest)
+    if len(m.shards) != -(-m.rows // m.shard_rows):
+        raise UserError(f"'{path / MANIFEST}': field 'shards': lists {len(m.shards)} shards for {m.rows} rows of "
+                        f"{m.shard_rows}")
+    rebuild = "rerun the dflash-cache command that made it to rebuild the shard"
+    sizes = []
+    for shard in m.shards:
+        f = path / shard.file
+        if not f.is_file():
+            raise UserError(f"hidden-state cache '{path}' is missing {shard.file} (listed in its manifest): {rebuild}")
+        sizes.append(f.stat().st_size)
+        if shard.bytes is not None and sizes[-1] != shard.bytes:
+            raise UserError(f"hidden-state cache '{path}': {shard.file} is {sizes[-1]:,} bytes, its manifest says "
+                            f"{shard.bytes:,} (truncated or replaced): {rebuild}")
+    if m.bytes_on_disk is not None and sum(sizes) != m.bytes_on_disk:
+        raise UserError(f"hidden-state cache '{path}': its shards hold {sum(sizes):,} bytes, its manifest says "
+                        f"{m.bytes_on_disk:,} (a shard was truncated or replaced): {rebuild}")
+    for shard in m.shards:
+        lo, hi = shard.rows
+        try:
+            with safe_open(str(path / shard.file), framework="pt") as f:
+                keys = set(f.keys())
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"hidden-state cache '{path}': {shard.file} is not a readable safetensors file "
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): {rebuild}") from None
+        if not all(f"taps.{r}" in keys and f"last.{r}" in keys for r in range(lo, hi)):
+            raise UserError(f"hidden-state cache '{path}': {shard.file} does not hold rows {lo}..{hi - 1}: {rebuild}")
+    if sum(sizes) <= HASH_LIMIT:
+        for shard in m.shards:
+            if _sha256(path / shard.file) != shard.sha256:
+                raise UserError(f"hidden-state cache '{path}': {shard.file} does not match the SHA-256 in its "
+                                f"manifest (damaged or replaced): {rebuild}")
+    return m.model_dump(exclude_none=True)
 
 
 def open_cache(path: str | Path, target: Target, layer_ids: list[int], ds) -> HiddenStateCache:
-    """Open a cache for training; refuse one made for another target, tap set or dataset."""
+    """Open a cache for training; refuse one made for another target, tap set or dataset, or one
+    whose shards are missing or damaged (check_complete)."""
     path = Path(path)
-    check_complete(path)
-    m = json.loads((path / MANIFEST).read_text())
+    m = check_complete(path)
     pin = resolve_pin(target.name_or_path, target.revision)
     mine = {k: v for k, v in pin.items() if k != "name_or_path"}
     theirs = {k: v for k, v in m["target_pin"].items() if k != "name_or_path"}
@@ -230,6 +317,15 @@ def parse_args(argv):
     for name in ["shard_rows", "batch_size", "max_length", "num_draft_layers"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.device != "auto":
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            p.error(f"--device '{args.device}' is not a device: use auto, cpu, cuda or cuda:N")
+        if device.type not in ("cpu", "cuda"):
+            p.error(f"--device '{args.device}': use auto, cpu, cuda or cuda:N")
+        if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+            p.error(f"--device '{args.device}': this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     if args.target_layer_ids is not None:
         try:
             args.target_layer_ids = [int(x) for x in args.target_layer_ids.split(",")]
@@ -250,7 +346,11 @@ def main(argv=None):
     target = load_target(args.target, revision=args.target_revision, device=device,
                          dtype=target_dtype(args.target_dtype, device))
     layer_ids = args.target_layer_ids or build_target_layer_ids(target.num_layers, args.num_draft_layers)
-    check_tap_layers(layer_ids, target.num_layers)
+    try:
+        check_tap_layers(layer_ids, target.num_layers)
+    except UserError as e:  # its words are the recipe's: name this command's flag instead
+        flag = "--target-layer-ids" if args.target_layer_ids else f"the taps for --num-draft-layers {args.num_draft_layers}"
+        raise UserError(str(e).replace("model.target_layer_ids", flag)) from None
     ds = load_conversations(args.data, target.tokenizer, args.max_length)
     try:
         m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size, args.overwrite)

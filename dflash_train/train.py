@@ -19,9 +19,17 @@ newest checkpoint and continues with the losses it would have had.
 
 Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
 checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
+
+Every input (recipe, data, target, init_from, hidden-state cache with all its shards, the
+checkpoint to resume) is read and checked before output_dir is touched: a bad one is one
+`error:` line, exit code 2, and an earlier run there (overwrite=true) is left as it was. A
+non-finite loss or gradient norm stops training before that step's update with one `error:`
+line naming the step, exit code 2; checkpoints are written only with finite weights, so the
+newest one is the last good state, and final/ is never written with non-finite weights.
 """
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -109,6 +117,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
+    tree_blocks_left = cfg.eval.ddtree_max_blocks  # over the whole validation, on this process
     for i in tqdm(range(0, -(-len(val_ds) // accelerator.num_processes), bs), desc="validate", leave=False, position=0,
                   disable=not accelerator.is_main_process, dynamic_ncols=True, mininterval=BAR_INTERVAL):
         chunk = rows[i : i + bs]
@@ -121,10 +130,11 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
                 continue
             # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
             # backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at a time
-            flat = [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.draft_hidden, m["labels"], o.valid)]
+            flat = [x.flatten(0, 1)[:tree_blocks_left] for x in (o.draft_hidden, m["labels"], o.valid)]
             if conditional is not None:
-                flat += [x.flatten(0, 1)[: cfg.eval.ddtree_max_blocks] for x in (o.block_hidden, o.bonus)]
-            n = max(1, cfg.loss.chunk_slots // K) if cfg.loss.chunk_slots else len(flat[0])
+                flat += [x.flatten(0, 1)[:tree_blocks_left] for x in (o.block_hidden, o.bonus)]
+            tree_blocks_left -= len(flat[0])
+            n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
             tree = torch.zeros(sizes[2], dtype=torch.float64)
             for j in range(0, len(flat[0]), n):
                 hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
@@ -279,7 +289,15 @@ def plan_output_dir(cfg: RunConfig) -> OutputPlan:
     if newest is None:
         return OutputPlan(None, True, f"output_dir '{out}' holds a run stopped before its first checkpoint "
                                       f"({what}): starting it again")
-    check_same_recipe(yaml.safe_load((newest / "recipe.yaml").read_text()), cfg, newest, what)
+    try:
+        saved = yaml.safe_load((newest / "recipe.yaml").read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml: {type(e).__name__}): "
+                        "delete it to resume from the one before") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml is not a mapping): "
+                        "delete it to resume from the one before")
+    check_same_recipe(saved, cfg, newest, what)
     return OutputPlan(newest, False, None)
 
 
@@ -302,11 +320,13 @@ class StopRequest:
     """SIGINT during the training loop sets `requested` instead of raising wherever Python happens
     to be (a KeyboardInterrupt raised inside a finaliser is swallowed, and one raised mid-step
     leaves other processes waiting in a collective). The loop stops after the step, on every
-    process together. A second SIGINT raises at once, as Python's default handler does."""
+    process together. A second SIGINT raises at once, as Python's default handler does. An ignored
+    SIGINT (a `cmd &` job of a non-interactive shell) stays ignored."""
 
     def __init__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGINT, self._request)
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        self._previous = None if ignored else signal.signal(signal.SIGINT, self._request)
 
     def _request(self, signum, frame):
         self.requested = True
@@ -380,16 +400,89 @@ def main(argv=None):
     try:
         return train(cfg)
     except KeyboardInterrupt:
-        pass
+        stopped = Interrupted(interrupted_line(cfg))
+    except UserError as e:
+        stopped = UserError(str(e))  # without its traceback, which holds the loop's frames
     finally:
         signal.signal(signal.SIGINT, handler)  # whatever way train() left (StopRequest replaces it)
-    # Raised outside the except block, so the interrupted frames are freed first: their progress
+    # Raised outside the except block, so the stopped frames are freed first: their progress
     # bars close (print their last state) before our line, which comes last.
-    raise Interrupted(interrupted_line(cfg))
+    raise stopped
+
+
+@dataclass
+class Run:
+    """A run set up for its loop (what a torchtune recipe keeps on self): the models, data,
+    optimizer and schedule, and the position a resumed run continues from."""
+    cfg: RunConfig
+    out: Path
+    engine: str  # single, ddp, fsdp or deepspeed (engines.py)
+    precision: str  # bf16 or no
+    accelerator: object
+    target: object
+    drafter: torch.nn.Module  # as prepared by accelerate (DDP-wrapped, sharded, or a DeepSpeed engine)
+    opt: object  # accelerate's wrapper; raw_opt is the torch optimizer (for the state-dict API)
+    raw_opt: torch.optim.Optimizer
+    sched: object
+    batches: object  # train_batches(): endless (epoch, batches consumed in that epoch, batch)
+    val_ds: object
+    collate_fn: object
+    cache: object  # HiddenStateCache or None (online hidden states)
+    layer_ids: list[int]
+    B: int  # block size
+    mask_id: int
+    start_step: int = 0  # the resumed checkpoint's step
+    tokens: int = 0  # training tokens so far (all processes)
+    train_time: float = 0.0  # seconds in optimizer steps so far
+    resume: Path | None = None
 
 
 def train(cfg: RunConfig) -> None:
     plan = plan_output_dir(cfg)  # before anything is loaded: a refusal costs nothing
+    run = setup(cfg, plan)
+    metrics_file = open_metrics(run)
+    accelerator = run.accelerator
+    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="train", disable=not accelerator.is_main_process,
+               dynamic_ncols=True, mininterval=BAR_INTERVAL)
+    val, t_start = None, time.time()
+    stop = StopRequest()  # Ctrl-C: finish the step on every process, then stop (a second one stops at once)
+    for step in range(run.start_step + 1, cfg.max_steps + 1):
+        record, live, position, stop_after_step = optimizer_step(run, step, stop)
+        record["elapsed_s"] = round(time.time() - t_start, 2)
+        if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
+            val = validate(accelerator, run.drafter, run.target, run.val_ds, run.collate_fn, cfg, run.layer_ids,
+                           run.mask_id)
+            record.update(validation_record(val))
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        accelerator.log(flat_for_tracker(record), step=step)
+        if step % cfg.log_every == 0 or step == run.start_step + 1:
+            bar.set_postfix(loss=f"{record['loss']:.3f}", eal=f"{live['eal']:.2f}", lr=f"{record['lr']:.1e}")
+        bar.update(1)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+            epoch, in_epoch = position
+            save_training_checkpoint(run.out / "checkpoints" / f"step_{step:06d}", accelerator, run.engine,
+                                     run.drafter, run.raw_opt, run.target, cfg,
+                                     {"step": step, "scheduler": run.sched.state_dict(), "epoch": epoch,
+                                      "batches_in_epoch": in_epoch, "tokens": run.tokens,
+                                      "train_time": run.train_time})
+        if stop_after_step:
+            stop.restore()
+            raise KeyboardInterrupt
+    stop.restore()
+    bar.close()
+    write_outputs(run, val, t_start, metrics_file)
+    # Every process leaves together and tears the process group down before the interpreter does:
+    # a gloo group destroyed while a peer is still busy, or left to interpreter finalisation, can
+    # abort the process ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
+    """Target, drafter, data, distribution, optimizer and schedule (restored on resume); every
+    input is loaded and checked, and only then is output_dir opened."""
     precision = choose_precision(cfg)
     if not torch.cuda.is_available():  # else DeepSpeed (imported by accelerate) warns on every CPU run
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -419,6 +512,30 @@ def train(cfg: RunConfig) -> None:
                                                                and accelerator.device.type == "cuda")
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
+    train_dl, sampler, val_ds, collate_fn, cache = setup_data(cfg, target, layer_ids, accelerator)
+    drafter, opt, raw_opt, sched, train_dl, position = setup_optimization(cfg, accelerator, engine, drafter, train_dl,
+                                                                          resume)
+    start_step, epoch, skip, tokens, train_time = position
+    open_output_dir(out, plan, accelerator)  # everything is loaded and checked: only now is output_dir touched
+    if cfg.wandb.enabled:
+        accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
+            "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
+
+    accelerator.print(
+        f"target {cfg.model.target}: {target.num_layers} layers, taps {layer_ids}; drafter "
+        f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
+        f"{sampler.n} train / {len(val_ds)} val conversations; hidden states "
+        f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
+        f"{accelerator.device} x{accelerator.num_processes} ({engine})" + (f"; resuming from {resume}" if resume else ""))
+    return Run(cfg=cfg, out=out, engine=engine, precision=precision, accelerator=accelerator, target=target,
+               drafter=drafter, opt=opt, raw_opt=raw_opt, sched=sched,
+               batches=train_batches(train_dl, sampler, accelerator, epoch, skip),
+               val_ds=val_ds, collate_fn=collate_fn, cache=cache, layer_ids=layer_ids, B=B, mask_id=mask_id,
+               start_step=start_step, tokens=tokens, train_time=train_time, resume=resume)
+
+
+def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):
+    """-> (train loader, its EpochSampler, held-out rows, collate_fn, hidden-state cache or None)."""
     with accelerator.main_process_first():
         train_ds = load_conversations(cfg.data.train, target.tokenizer, cfg.data.max_length)
         val_ds = load_conversations(cfg.data.val, target.tokenizer, cfg.data.max_length)
@@ -434,8 +551,13 @@ def train(cfg: RunConfig) -> None:
     if len(train_ds) < cfg.train.batch_size * accelerator.num_processes:
         raise UserError(f"data.train has {len(train_ds)} usable conversations, fewer than one global batch "
                         f"({cfg.train.batch_size} x {accelerator.num_processes} processes)")
+    return train_dl, sampler, val_ds, collate_fn, cache
 
-    # --- distribution, optimizer and schedule (stepped once per optimizer step, on every process)
+
+def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, train_dl, resume: Path | None):
+    """Distribution, AdamW and the cosine schedule (stepped once per optimizer step, on every
+    process), restored from `resume` -> (drafter, opt, torch optimizer, schedule, train loader,
+    (step, epoch, batches consumed in it, tokens, train time) to continue from)."""
     start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
     if resume:  # full weights go in before any sharding; the optimizer state after it
         weights, state = load_checkpoint(resume)
@@ -462,133 +584,122 @@ def train(cfg: RunConfig) -> None:
             accelerator.load_state(str(resume / DEEPSPEED_STATE))
         else:
             load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
-    open_output_dir(out, plan, accelerator)  # everything is loaded and checked: only now is output_dir touched
-    if cfg.wandb.enabled:
-        accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
-            "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
+    return drafter, opt, raw_opt, sched, train_dl, (start_step, epoch, skip, tokens, train_time)
 
-    accelerator.print(
-        f"target {cfg.model.target}: {target.num_layers} layers, taps {layer_ids}; drafter "
-        f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
-        f"{len(train_ds)} train / {len(val_ds)} val conversations; hidden states "
-        f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
-        f"{accelerator.device} x{accelerator.num_processes} ({engine})" + (f"; resuming from {resume}" if resume else ""))
 
-    # --- loop ---------------------------------------------------------------------------------
-    metrics_file = None
-    if accelerator.is_main_process:  # keep the records up to the checkpoint, drop the rest
-        kept = [line for line in (out / "metrics.jsonl").read_text().splitlines()
-                if json.loads(line)["step"] <= start_step] if resume and (out / "metrics.jsonl").exists() else []
-        metrics_file = open(out / "metrics.jsonl", "w")
-        metrics_file.writelines(line + "\n" for line in kept)
-    batches = train_batches(train_dl, sampler, accelerator, epoch, skip)
-    bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", disable=not accelerator.is_main_process,
-               dynamic_ncols=True, mininterval=BAR_INTERVAL)
-    val, t_start = None, time.time()
-    stop = StopRequest()  # Ctrl-C: finish the step on every process, then stop (a second one stops at once)
-    for step in range(start_step + 1, cfg.max_steps + 1):
-        t0 = time.time()
-        # Draw the step's micro-batches and anchors first: the loss is normalised by the slot
-        # weights of the whole optimizer step, summed over micro-batches and processes.
-        micro = []
-        for _ in range(cfg.train.grad_accum):
-            epoch, in_epoch, batch = next(batches)
-            batch = batch.to(accelerator.device)
-            anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
-            micro.append((batch, anchors, anchor_valid))
-        w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
-        w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
-        # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
-        normalizer = (w_total / accelerator.num_processes).float()
+def open_metrics(run: Run):
+    """metrics.jsonl on the main process (None elsewhere): on resume, the records up to the
+    checkpoint are kept and the rest dropped."""
+    if not run.accelerator.is_main_process:
+        return None
+    path = run.out / "metrics.jsonl"
+    kept = [line for line in path.read_text().splitlines()
+            if json.loads(line)["step"] <= run.start_step] if run.resume and path.exists() else []
+    metrics_file = open(path, "w")
+    metrics_file.writelines(line + "\n" for line in kept)
+    return metrics_file
 
-        loss_sum, step_tokens, terms, counts = 0.0, 0, 0.0, None
-        for i, (batch, anchors, anchor_valid) in enumerate(micro):
-            with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
-                o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, layer_ids, B, mask_id, cache)
-                loss, m = training_loss(o, target, accelerator.unwrap_model(drafter), cfg, normalizer)
-                accelerator.backward(loss)
-            loss_sum += loss.item()
-            terms = terms + m["terms"].double().cpu()
-            c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
-            counts = c if counts is None else counts + c
-            step_tokens += int(batch.attention_mask.sum())
-        # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
-        # The stop request rides along, so every process stops after the same step.
-        stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms,
-                           torch.tensor([float(stop.requested)], dtype=torch.float64)])
-        stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
-        stop_after_step, stats = stats[-1].item() > 0, stats[:-1]
-        loss_sum, tokens = stats[0].item() / accelerator.num_processes, tokens + int(stats[1])
-        counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
-        terms = {name: round(v, 6) for name, v in zip(term_names(cfg), terms.tolist())}
-        grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
-        lr = sched.get_last_lr()[0]  # the rate this step uses
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        train_time += time.time() - t0
 
-        live = acceptance_metrics(counts)
-        grad_norm = grad_norm_of(drafter, engine, grad_norm)
-        grad_norm = None if grad_norm is None else round(grad_norm, 6)
-        record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
-                  "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
-                  "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": tokens,
-                  "train_tokens_per_s": round(tokens / train_time, 1), "elapsed_s": round(time.time() - t_start, 2)}
-        if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
-            val = validate(accelerator, drafter, target, val_ds, collate_fn, cfg, layer_ids, mask_id)
-            record.update({"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
-                           "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
-                           "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
-                           "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
-                           "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
-                           **{f"val_{k}": None if val[k] is None else round(val[k], 4)
-                              for k in ("on_spine_acc", "off_spine_acc")}})
-            if "confidence" in val:  # DSpark: the confidence head's calibration per slot
-                record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
-        if metrics_file:
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-        accelerator.log(flat_for_tracker(record), step=step)
-        if step % cfg.log_every == 0 or step == start_step + 1:
-            bar.set_postfix(loss=f"{loss_sum:.3f}", eal=f"{live['eal']:.2f}", lr=f"{lr:.1e}")
-        bar.update(1)
-        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
-            save_training_checkpoint(out / "checkpoints" / f"step_{step:06d}", accelerator, engine, drafter, raw_opt,
-                                     target, cfg, {"step": step, "scheduler": sched.state_dict(), "epoch": epoch,
-                                                   "batches_in_epoch": in_epoch, "tokens": tokens,
-                                                   "train_time": train_time})
-        if stop_after_step:
-            stop.restore()
-            raise KeyboardInterrupt
-    stop.restore()
-    bar.close()
+def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, tuple[int, int], bool]:
+    """One optimizer step over grad_accum micro-batches -> (its metrics record, live acceptance
+    metrics, the data position (epoch, batches consumed in it) after it, whether any process
+    asked to stop after it). Advances run.tokens and run.train_time."""
+    cfg, accelerator, drafter, B = run.cfg, run.accelerator, run.drafter, run.B
+    t0 = time.time()
+    # Draw the step's micro-batches and anchors first: the loss is normalised by the slot
+    # weights of the whole optimizer step, summed over micro-batches and processes.
+    micro = []
+    for _ in range(cfg.train.grad_accum):
+        epoch, in_epoch, batch = next(run.batches)
+        batch = batch.to(accelerator.device)
+        anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
+        micro.append((batch, anchors, anchor_valid))
+    w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
+    w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
+    # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
+    normalizer = (w_total / accelerator.num_processes).float()
 
-    # --- outputs -------------------------------------------------------------------------------
-    weights = full_model_state(accelerator, drafter, engine)  # a collective under FSDP / ZeRO-3
-    if accelerator.is_main_process:
-        save_drafter(out / "final", accelerator.unwrap_model(drafter), target, dump_recipe(cfg), weights)
-        summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
-                   "train_tokens_per_s": round(tokens / max(train_time, 1e-9), 1), "train_tokens": tokens,
-                   "resumed_from_step": start_step, "processes": accelerator.num_processes, "engine": engine,
-                   "device": str(accelerator.device), "precision": "bf16" if precision == "bf16" else "fp32",
-                   "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
-                   "target": cfg.model.target, "target_layer_ids": layer_ids, "block_size": B,
-                   "hidden_states": "cache" if cache else "online", "eval": val,
-                   # this process's peak (all processes hold the same shapes under DDP; a shard under FSDP/ZeRO)
-                   "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
-                   if accelerator.device.type == "cuda" else None}
-        (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        metrics_file.close()
-        tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
-        print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
-              f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
-              f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
-    # Every process leaves together and tears the process group down before the interpreter does:
-    # a gloo group destroyed while a peer is still busy, or left to interpreter finalisation, can
-    # abort the process ("terminate called without an active exception").
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    loss_sum, step_tokens, terms, counts = 0.0, 0, 0.0, None
+    for i, (batch, anchors, anchor_valid) in enumerate(micro):
+        with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
+            o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, B, run.mask_id,
+                                run.cache)
+            loss, m = training_loss(o, run.target, accelerator.unwrap_model(drafter), cfg, normalizer)
+            accelerator.backward(loss)
+        loss_sum += loss.item()
+        terms = terms + m["terms"].double().cpu()
+        c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
+        counts = c if counts is None else counts + c
+        step_tokens += int(batch.attention_mask.sum())
+    # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
+    # The stop request rides along, so every process stops after the same step.
+    stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms,
+                       torch.tensor([float(stop.requested)], dtype=torch.float64)])
+    stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
+    stop_after_step, stats = stats[-1].item() > 0, stats[:-1]
+    loss_sum, run.tokens = stats[0].item() / accelerator.num_processes, run.tokens + int(stats[1])
+    counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
+    terms = {name: round(v, 6) for name, v in zip(term_names(cfg), terms.tolist())}
+    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
+    if run.engine != "deepspeed":  # DeepSpeed reports its norm after its step
+        grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
+        check_finite_step(step, loss_sum, grad_norm, run.out)  # the same numbers on every process
+    lr = run.sched.get_last_lr()[0]  # the rate this step uses
+    run.opt.step()
+    run.sched.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.train_time += time.time() - t0
+
+    live = acceptance_metrics(counts)
+    if run.engine == "deepspeed":
+        grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
+        check_finite_step(step, loss_sum, grad_norm, run.out)
+    grad_norm = None if grad_norm is None else round(grad_norm, 6)
+    record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
+              "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
+              "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": run.tokens,
+              "train_tokens_per_s": round(run.tokens / run.train_time, 1)}
+    return record, live, (epoch, in_epoch), stop_after_step
+
+
+def validation_record(val: dict) -> dict:
+    """validate()'s result -> the val_* keys of a metrics record."""
+    record = {"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
+              "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
+              "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
+              "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
+              "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
+              **{f"val_{k}": None if val[k] is None else round(val[k], 4) for k in ("on_spine_acc", "off_spine_acc")}}
+    if "confidence" in val:  # DSpark: the confidence head's calibration per slot
+        record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
+    return record
+
+
+def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
+    """final/ (the drafter + recipe) and summary.json, once every weight is known finite."""
+    cfg, accelerator, drafter = run.cfg, run.accelerator, run.drafter
+    weights = full_model_state(accelerator, drafter, run.engine)  # a collective under FSDP / ZeRO-3
+    check_finite_weights(weights, accelerator, cfg.max_steps, run.out)
+    if not accelerator.is_main_process:
+        return
+    out = run.out
+    save_drafter(out / "final", accelerator.unwrap_model(drafter), run.target, dump_recipe(cfg), weights)
+    summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
+               "train_tokens_per_s": round(run.tokens / max(run.train_time, 1e-9), 1), "train_tokens": run.tokens,
+               "resumed_from_step": run.start_step, "processes": accelerator.num_processes, "engine": run.engine,
+               "device": str(accelerator.device), "precision": "bf16" if run.precision == "bf16" else "fp32",
+               "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
+               "target": cfg.model.target, "target_layer_ids": run.layer_ids, "block_size": run.B,
+               "hidden_states": "cache" if run.cache else "online", "eval": val,
+               # this process's peak (all processes hold the same shapes under DDP; a shard under FSDP/ZeRO)
+               "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+               if accelerator.device.type == "cuda" else None}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    metrics_file.close()
+    tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
+    print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
+          f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
+          f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
 
 
 def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,
@@ -598,6 +709,7 @@ def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, op
     into a temporary folder that is renamed only when complete, so a restart never picks half a
     checkpoint. DeepSpeed's engine writes its own sharded state into it first."""
     weights = full_model_state(accelerator, drafter, engine)
+    check_finite_weights(weights, accelerator, state["step"], folder.parent.parent)
     optimizer = None if engine == "deepspeed" else full_optimizer_state(accelerator, drafter, opt)
     tmp = folder.with_name(f".{folder.name}.partial")
     if accelerator.is_main_process:
@@ -612,6 +724,31 @@ def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, op
                         state={**state, "optimizer": optimizer, "engine": engine}, weights=weights)
         os.replace(tmp, folder)
     accelerator.wait_for_everyone()
+
+
+def kept_state(out: Path) -> str:
+    """What a stopped run leaves to resume from."""
+    newest = newest_checkpoint(out)
+    return f"its newest checkpoint {newest} is kept" if newest else "it has no checkpoint yet"
+
+
+def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path) -> None:
+    """A non-finite loss or gradient norm stops training (before the step's update, except under
+    DeepSpeed, whose engine reports its norm after it); the step is not saved."""
+    for name, value in [("loss", loss), ("gradient norm", grad_norm)]:
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"step {step}: the {name} is {value}: training stopped and nothing of this step is "
+                            f"saved; {kept_state(out)} (lower train.lr, or check the data and loss.terms)")
+
+
+def check_finite_weights(weights: dict, accelerator, step: int, out: Path) -> None:
+    """Before writing a checkpoint or final/: every weight finite, decided on every process together
+    (under FSDP / ZeRO-3 only the main process holds the gathered weights: the others hold {} or None)."""
+    bad = [k for k, v in (weights or {}).items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    n = accelerator.reduce(torch.tensor([float(len(bad))], device=accelerator.device), reduction="sum").item()
+    if n:
+        raise UserError(f"step {step}: the drafter's weights are not finite{f' ({bad[0]})' if bad else ''}: nothing "
+                        f"of this step was saved, {kept_state(out)} (lower train.lr)")
 
 
 def flat_for_tracker(record: dict) -> dict:

@@ -54,6 +54,25 @@ def test_loss_terms_from_the_command_line():
     assert cfg.loss.terms == {"ce": 1.0, "kl": 0.5}
 
 
+@pytest.mark.parametrize("override", ["loss.terms={tv:1.0,kl:0.5}", "loss.terms={tv: 1.0, kl: 0.5}",
+                                      "loss.terms={'tv':1.0,\"kl\":0.5}"])
+def test_dict_and_list_overrides_as_hydra_and_yaml_spell_them(override):
+    """Hydra's `{tv:1.0}` (YAML alone reads it as the key 'tv:1.0' with no value) and YAML's `{tv: 1.0}`."""
+    assert load_recipe(ROOT / "recipes/tiny.yaml", [override]).loss.terms == {"tv": 1.0, "kl": 0.5}
+    for spelling in ["[1,5]", "[1, 5]"]:
+        assert load_recipe(ROOT / "recipes/tiny.yaml", [f"model.target_layer_ids={spelling}"]).model.target_layer_ids \
+            == [1, 5]
+    # a colon in a plain value is left alone
+    assert load_recipe(ROOT / "recipes/tiny.yaml", ["model.target=hf://org/name"]).model.target == "hf://org/name"
+
+
+@pytest.mark.parametrize("override", ["loss.terms.ce=.inf", "train.lr=.nan", "loss.gamma=.inf",
+                                      "train.betas=[0.9, .nan]"])
+def test_non_finite_recipe_numbers_are_refused(override):
+    with pytest.raises(UserError, match="Input should be a finite number"):
+        load_recipe(ROOT / "recipes/tiny.yaml", [override])
+
+
 def test_missing_and_malformed_recipe(tmp_path):
     with pytest.raises(UserError, match="not found"):
         load_recipe(tmp_path / "nope.yaml")

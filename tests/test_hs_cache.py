@@ -148,6 +148,13 @@ def test_ctrl_c_then_the_same_command_resumes_and_then_says_complete(small_data,
     capsys.readouterr()
     hs.main(cmd)
     assert f"hidden-state cache '{out}' is already complete (16 rows" in capsys.readouterr().err
+    # a shard deleted since: the same command rebuilds it (and only it), instead of "complete"
+    kept = (out / "shard_00000.safetensors").stat().st_mtime_ns
+    (out / "shard_00001.safetensors").unlink()
+    hs.main(cmd)
+    assert f"hidden-state cache '{out}' is missing shard_00001.safetensors" in capsys.readouterr().err
+    assert json.loads((out / hs.MANIFEST).read_text()) == manifest and not (out / hs.PARTIAL).exists()
+    assert (out / "shard_00000.safetensors").stat().st_mtime_ns == kept
     assert json.loads((out / hs.MANIFEST).read_text()) == manifest
     # other settings: refused, or (--overwrite) rebuilt
     with pytest.raises(SystemExit):

@@ -298,3 +298,42 @@ def test_non_default_objective_trains_and_reports_every_term(tmp_path, small_dat
     flat = flat_for_tracker(rows[23])
     assert {"loss/kl", "loss/tv", "val/loss/nla", "alpha_7", "val/alpha_1", "val/acc_7", "val/ddtree_tau@64"} <= flat.keys()
     assert all(isinstance(v, (int, float)) for v in flat.values())
+
+
+@pytest.mark.parametrize("ignored", [True, False])
+def test_an_ignored_sigint_stays_ignored(ignored, tmp_path, small_data, monkeypatch):
+    """A `cmd &` job of a non-interactive shell starts with SIGINT ignored: training leaves it so
+    (before, it installed its stop flag and Ctrl-C meant for the shell stopped the job). Otherwise
+    the stop flag's handler is in place during training, and the caller's is back afterwards."""
+    import dflash_train.train as train_module
+
+    during = []
+    real = train_module.validate
+    monkeypatch.setattr(train_module, "validate",
+                        lambda *a, **k: during.append(signal.getsignal(signal.SIGINT)) or real(*a, **k))
+    mine = signal.SIG_IGN if ignored else signal.default_int_handler
+    before = signal.signal(signal.SIGINT, mine)
+    try:
+        main(quick(tmp_path / "run", small_data))
+        assert signal.getsignal(signal.SIGINT) is mine
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert len(during) == 1  # validation runs inside the last step
+    if ignored:
+        assert during[0] is signal.SIG_IGN
+    else:
+        assert during[0] not in (signal.SIG_IGN, signal.default_int_handler)
+
+
+def test_ddtree_max_blocks_caps_the_whole_validation(tmp_path, small_data, monkeypatch):
+    """eval.ddtree_max_blocks is the number of blocks scored with trees in a validation (per
+    process), not per validation batch: 2 batches of 4 rows x 4 anchors with a cap of 10 score
+    10 blocks (before: 10 + 10)."""
+    import dflash_train.train as train_module
+
+    scored = []
+    real = train_module.ddtree_acceptance
+    monkeypatch.setattr(train_module, "ddtree_acceptance",
+                        lambda logits, labels, *a: scored.append(len(labels)) or real(logits, labels, *a))
+    main(quick(tmp_path / "run", small_data, "eval.max_samples=8", "eval.num_anchors=4", "eval.ddtree_max_blocks=10"))
+    assert sum(scored) == 10, scored

@@ -6,12 +6,15 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # Tests never reach the Hub or a tracking server.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Weight hashes of local verifiers (target.weights_sha256) are remembered here, not in ~/.cache.
+os.environ.setdefault("DFLASH_HASH_CACHE", os.path.join(tempfile.mkdtemp(prefix="dflash-hashes-"), "hashes.json"))
 
 import pytest
 import torch

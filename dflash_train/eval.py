@@ -22,10 +22,12 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
 import torch
 import transformers
+from pydantic import Field
 from tqdm.auto import tqdm
 
 from dflash_train import speed
@@ -38,6 +40,7 @@ from dflash_train.loops import find_loop
 from dflash_train.outputs import require_free_output, write_atomically
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.report import write_report
+from dflash_train.schema import Open, validated
 from dflash_train.suites import DEFAULT_SUITE, Prompt, load_suite
 from dflash_train.target import load_target
 
@@ -292,6 +295,13 @@ def _nvidia_driver() -> str | None:
         return None
 
 
+# A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
+# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024. Beyond 4096 nodes the
+# allocator, not the tree, decides; 256 requests already put a 64-node tree at width 16,640.
+MAX_BUDGET = 4096
+MAX_CONCURRENCY = 256
+
+
 def parse_budgets(text: str) -> list[int]:
     """DDTree budgets; 0 means plain decoding, which always runs (as AR) and is not a tree."""
     try:
@@ -300,6 +310,9 @@ def parse_budgets(text: str) -> list[int]:
         raise UserError(f"--budgets must be comma-separated integers, got '{text}'") from None
     if not budgets or budgets[0] < 0:
         raise UserError(f"--budgets must be non-negative integers, got '{text}'")
+    if budgets[-1] > MAX_BUDGET:
+        raise UserError(f"--budgets {budgets[-1]} is above the limit of {MAX_BUDGET} tree nodes (one verify forward "
+                        f"holds [budget+1, vocab] logits and a [budget+1, context+budget+1] mask)")
     return [b for b in budgets if b > 0]
 
 
@@ -310,6 +323,9 @@ def parse_concurrency(text: str) -> list[int]:
         raise UserError(f"--concurrency must be comma-separated integers, got '{text}'") from None
     if not levels or levels[0] < 1:
         raise UserError(f"--concurrency must be integers >= 1, got '{text}'")
+    if levels[-1] > MAX_CONCURRENCY:
+        raise UserError(f"--concurrency {levels[-1]} is above the limit of {MAX_CONCURRENCY} requests (the cost "
+                        "curve runs the drafter on that many contexts at once)")
     return levels
 
 
@@ -330,6 +346,31 @@ def resolve_device(text: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return device
+
+
+Ms = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a measured time: positive and finite
+
+
+class DeviceCosts(Open):
+    """A benchmarks/gpu_costs.py JSON (the fields the predictions read)."""
+    verify_ms_by_width: Annotated[dict[Annotated[int, Field(ge=1)], Ms], Field(min_length=1)]
+    draft_ms: Ms
+    draft_ms_by_batch: dict[Annotated[int, Field(ge=1)], Ms] = {}
+    tree_build_ms_by_budget: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0, allow_inf_nan=False)]] = {}
+    device: str | None = None
+
+
+def check_device_costs(path: str | None) -> None:
+    """--verify-times checked before anything loads: a negative, zero or NaN time would otherwise
+    recommend a budget, or crash after the whole eval."""
+    if path is None:
+        return
+    where = f"--verify-times '{path}' is not a costs JSON from benchmarks/gpu_costs.py"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where} ({type(e).__name__})") from None
+    validated(DeviceCosts, data, where)
 
 
 def read_device_costs(path: str | None) -> dict | None:
@@ -395,6 +436,7 @@ def main(argv=None):
     out = Path(args.output)
     require_free_output(out, args.overwrite, "eval", [("--drafter", args.drafter), ("--target", args.target),
                                                       ("--verify-times", args.verify_times)])
+    check_device_costs(args.verify_times)
     device_costs = read_device_costs(args.verify_times)
     suites = [load_suite(s, args.limit) for s in (args.suite or [DEFAULT_SUITE])]  # before the target: cheap
 

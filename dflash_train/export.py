@@ -7,7 +7,10 @@
 
 --checkpoint takes any drafter folder (ours, Speculators, native DFlash) or Hub id. The verifier
 is pinned (Hub commit from the local Hub cache, --verifier-revision, or for a plain local folder
-the SHA-256 of its weights), checked against the drafter, and named in config.json and the card.
+the SHA-256 of its weights, remembered per file size and mtime: target.weights_sha256), checked
+against the drafter, and named in config.json and the card. Every input file is checked against
+its schema (drafter config.json: formats.py; eval reports: report.EvalReport) before the verifier
+is read, and --license must be one of the Hub's license ids (the card's front matter stays valid).
 """
 
 import json
@@ -27,11 +30,24 @@ from dflash_train.dspark import TREE_CANDIDATES
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
 from dflash_train.outputs import MARKER, model_source, require_free_output, write_atomically
+from dflash_train.report import plural, read_report
 from dflash_train.speed import verdict_text
 from dflash_train.target import LOAD_ERRORS, check_tap_layers, first_line, model_identity, resolve_pin
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "export" / "model_card_template.md"
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# The Hub's license identifiers, from https://huggingface.co/docs/hub/repositories-licenses
+# (huggingface/hub-docs docs/hub/repositories-licenses.md; huggingface_hub ships no list). With
+# `other`, name the license in the repository's LICENSE file.
+HUB_LICENSES = (
+    "apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0 bigcode-openrail-m "
+    "afl-3.0 artistic-2.0 bsl-1.0 bsd bsd-2-clause bsd-3-clause bsd-3-clause-clear c-uda cc cc0-1.0 cc-by-2.0 "
+    "cc-by-2.5 cc-by-3.0 cc-by-4.0 cc-by-sa-3.0 cc-by-sa-4.0 cc-by-nc-2.0 cc-by-nc-3.0 cc-by-nc-4.0 cc-by-nd-4.0 "
+    "cc-by-nc-nd-3.0 cc-by-nc-nd-4.0 cc-by-nc-sa-2.0 cc-by-nc-sa-3.0 cc-by-nc-sa-4.0 cdla-sharing-1.0 "
+    "cdla-permissive-1.0 cdla-permissive-2.0 wtfpl ecl-2.0 epl-1.0 epl-2.0 etalab-2.0 eupl-1.1 agpl-3.0 gfdl gpl "
+    "gpl-2.0 gpl-3.0 lgpl lgpl-2.1 lgpl-3.0 isc lppl-1.3c ms-pl mpl-2.0 odc-by odbl openrail++ osl-3.0 postgresql "
+    "ofl-1.1 ncsa unlicense zlib pddl lgpl-lr deepfloyd-if-license llama2 llama3 llama3.1 llama3.2 llama3.3 gemma "
+    "unknown other").split()
 
 
 # --- the verifier: check and pin ---------------------------------------------------------------
@@ -76,16 +92,7 @@ def pin_text(pin: dict) -> str:
 # --- eval reports -> card sections -------------------------------------------------------------
 
 def read_reports(paths: list[str]) -> list[dict]:
-    reports = []
-    for p in paths:
-        try:
-            rep = json.loads(Path(p).read_text())
-            rep["results"][0]["tau"], rep["hardware"]["device"]  # noqa: B018 (the fields the card needs)
-        except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-            raise UserError(f"eval report '{p}' is not a readable dflash-eval report.json") from e
-        rep["_path"] = str(p)
-        reports.append(rep)
-    return reports
+    return [{**read_report(p), "_path": str(p)} for p in paths]
 
 
 def check_reports(reports: list[dict], drafter, verifier: str, revision: str | None) -> None:
@@ -125,7 +132,7 @@ def acceptance_section(reports: list[dict]) -> str:
         for suite in dict.fromkeys(r["suite"] for r in rep["results"]):
             rows = [r for r in rep["results"] if r["suite"] == suite]
             r0 = rows[0]
-            out += [f"**{suite}** ({r0['prompts']} prompts, temperature {r0['temperature']}, "
+            out += [f"**{suite}** ({plural(r0['prompts'], 'prompt')}, temperature {r0['temperature']}, "
                     f"max {r0['max_new_tokens']} new tokens per turn; target `{rep['target']}`; "
                     f"{rep['hardware']['device']}):", "",
                     "| method | budget | tau (tokens per target forward) | lossless | speedup vs plain decoding "
@@ -307,7 +314,7 @@ def parse_args(argv):
     p.add_argument("--verifier", default=None, help="verifier Hub id or folder (default: the drafter's target)")
     p.add_argument("--verifier-revision", default=None, help="Hub commit/tag of the verifier to pin")
     p.add_argument("--eval-report", action="append", default=[], help="dflash-eval report.json (repeatable)")
-    p.add_argument("--license", default="other", help="license id for the card (default: other)")
+    p.add_argument("--license", default="other", help="the Hub's license id for the card (default: other)")
     p.add_argument("--push-to-hub", default=None, metavar="REPO")
     p.add_argument("--private", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list what would be uploaded")
@@ -316,6 +323,9 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.format not in (SPECULATORS, NATIVE):
         p.error(f"unknown --format '{args.format}' (choose speculators or dflash)")
+    if args.license not in HUB_LICENSES:
+        p.error(f"--license {args.license!r:.80} is not a Hub license id (e.g. apache-2.0, mit, llama3.1, other; "
+                "list: https://huggingface.co/docs/hub/repositories-licenses)")
     if (args.private or args.dry_run) and not args.push_to_hub:
         p.error("--private and --dry-run go with --push-to-hub")
     if args.push_to_hub:

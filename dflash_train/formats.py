@@ -21,9 +21,13 @@ layers, so it runs a causal drafter's full-attention layers bidirectionally.
 
 import json
 from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
 
 from dflash_train.errors import UserError
 from dflash_train.model import DrafterConfig
+from dflash_train.schema import Open, Strict, validated
 
 OURS, SPECULATORS, NATIVE = "dflash-train", "speculators", "dflash"
 
@@ -31,6 +35,147 @@ OURS, SPECULATORS, NATIVE = "dflash-train", "speculators", "dflash"
 QWEN3_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps", "max_position_embeddings",
                 "rope_parameters", "attention_bias")
+
+
+# --- schemas: every config.json is checked before it is read (read_config) --------------------
+
+Size = Annotated[int, Field(ge=1)]
+Index = Annotated[int, Field(ge=0)]
+
+
+def check_sizes(vocab: int, mask_id: int, taps: list[int], layers: int | None, top_k: int | None) -> None:
+    """What the tensors need: the mask is an embedding row, the taps are layers of the target,
+    the selector's candidates come from the vocabulary."""
+    if mask_id >= vocab:
+        raise ValueError(f"mask_token_id {mask_id} is not a row of the {vocab}-token vocabulary")
+    if layers is not None and max(taps) >= layers:
+        raise ValueError(f"tapped layer {max(taps)} is beyond the target's {layers} layers")
+    if top_k is not None and top_k > vocab:
+        raise ValueError(f"selector_top_k {top_k} exceeds the vocabulary ({vocab}): at most {vocab}")
+
+
+class DrafterFields(Strict):
+    """Ours: config.json's `drafter`, DrafterConfig field for field (model.py says what each means)."""
+    hidden_size: Size
+    intermediate_size: Size
+    num_hidden_layers: Size
+    num_attention_heads: Size
+    num_key_value_heads: Size
+    head_dim: Size
+    vocab_size: Size
+    block_size: Annotated[int, Field(ge=2)]
+    mask_token_id: Index
+    target_layer_ids: Annotated[list[Index], Field(min_length=1)]
+    num_target_layers: Size | None
+    rms_norm_eps: Annotated[float, Field(gt=0)] = 1e-6
+    max_position_embeddings: Size = 40960
+    rope_parameters: dict = {"rope_type": "default", "rope_theta": 1e6}
+    attention_bias: bool = False
+    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    variant: Literal["dflash", "dspark", "dflash2"] = "dflash"
+    markov_rank: Index = 0
+    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    conv_kernel_size: Index = 0
+    conv_group_size: Index = 0
+    selector_rank: Index = 0
+    selector_top_k: Index = 0
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.variant == "dflash2":
+            for k in DFLASH2_DEFAULTS:
+                if getattr(self, k) < 1:
+                    raise ValueError(f"a dflash2 drafter needs {k} >= 1, got {getattr(self, k)}")
+        check_sizes(self.vocab_size, self.mask_token_id, self.target_layer_ids, self.num_target_layers,
+                    self.selector_top_k)
+        return self
+
+
+class TargetRef(Open):
+    name_or_path: str | None = None
+    revision: str | None = None
+
+
+class OursFile(Open):
+    format: Literal["dflash-train"]
+    drafter: DrafterFields
+    target: TargetRef | None = None
+    mask_token: str | None = None
+
+
+class LayerFields(Open):
+    """The Qwen3 fields of the drafter's layers (speculators' transformer_layer_config, native's top level)."""
+    hidden_size: Size
+    intermediate_size: Size
+    num_hidden_layers: Size
+    num_attention_heads: Size
+    num_key_value_heads: Size
+    head_dim: Size | None = None
+    vocab_size: Size
+    rms_norm_eps: Annotated[float, Field(gt=0)] = 1e-6
+    max_position_embeddings: Size = 40960
+    is_causal: bool | None = None
+
+
+class ExtraFields(Open):  # the `dflash_train` block both exports carry
+    num_target_layers: Size | None = None
+    mask_token: str | None = None
+
+
+class SpeculatorsFile(Open):
+    speculators_model_type: Literal["dflash", "dspark", "dflash2"]
+    transformer_layer_config: LayerFields
+    block_size: Annotated[int, Field(ge=2)]
+    mask_token_id: Index
+    aux_hidden_state_layer_ids: Annotated[list[Size], Field(min_length=1)]  # taps + 1
+    dflash_train: ExtraFields | None = None
+    verifier_pin: dict | None = None
+    sample_from_anchor: bool | None = None
+    draft_vocab_size: Size | None = None
+    markov_rank: Index | None = None
+    markov_head_type: Literal["vanilla", "gated", "rnn"] | None = None
+    enable_confidence_head: bool | None = None
+    confidence_head_with_markov: bool | None = None
+    conv_kernel_size: Size | None = None
+    conv_group_size: Size | None = None
+    selector_rank: Size | None = None
+    selector_top_k: Size | None = None
+
+    @model_validator(mode="after")
+    def _fits(self):
+        extra = self.dflash_train or ExtraFields()
+        check_sizes(self.transformer_layer_config.vocab_size, self.mask_token_id,
+                    [i - 1 for i in self.aux_hidden_state_layer_ids], extra.num_target_layers, self.selector_top_k)
+        return self
+
+
+class NativeBlock(Open):  # dflash_config
+    mask_token_id: Index
+    target_layer_ids: Annotated[list[Index], Field(min_length=1)]
+    causal: bool | None = None
+    block_size: Annotated[int, Field(ge=2)] | None = None
+
+
+class NativeFile(LayerFields):
+    architectures: list[str]
+    dflash_config: NativeBlock
+    block_size: Annotated[int, Field(ge=2)] | None = None
+    num_target_layers: Size | None = None
+    verifier_pin: dict | None = None
+    dflash_train: ExtraFields | None = None
+
+    @model_validator(mode="after")
+    def _fits(self):
+        if self.block_size is None and self.dflash_config.block_size is None:
+            raise ValueError("no block_size (neither top level nor in dflash_config)")
+        check_sizes(self.vocab_size, self.dflash_config.mask_token_id, self.dflash_config.target_layer_ids,
+                    self.num_target_layers, None)
+        return self
+
+
+SCHEMAS = {OURS: OursFile, SPECULATORS: SpeculatorsFile, NATIVE: NativeFile}
 
 
 def detect_format(config: dict) -> str:
@@ -194,8 +339,18 @@ def native_config(cfg: DrafterConfig, pin: dict, mask_token: str | None) -> dict
 
 
 def read_config(folder: Path) -> dict:
+    """config.json, checked against its format's schema (unknown variant, sizes that do not fit:
+    one line naming the file and the field, before any tensor is built)."""
     path = folder / "config.json"
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise UserError(f"'{folder}' is not a drafter folder (no readable config.json)") from e
+    if not isinstance(config, dict):
+        raise UserError(f"'{path}' is not a JSON object")
+    try:
+        fmt = detect_format(config)
+    except UserError as e:
+        raise UserError(f"'{path}': {e}") from None
+    validated(SCHEMAS[fmt], config, f"{fmt} config '{path}'")
+    return config

@@ -2,14 +2,108 @@
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from pydantic import Field, model_validator  # noqa: E402
+
+from dflash_train.errors import UserError  # noqa: E402
 from dflash_train.loops import MIN_LOOP_TOKENS, MIN_REPEATS  # noqa: E402
+from dflash_train.schema import Open, validated  # noqa: E402
 from dflash_train.speed import verdict_text  # noqa: E402
+
+# --- the schema of report.json, as dflash-export reads it back (the fields the card uses) -------
+
+Interval = Annotated[list[float], Field(min_length=2, max_length=2)]
+
+
+class Result(Open):
+    suite: str
+    method: str
+    budget: Annotated[int, Field(ge=0)]
+    tau: float
+    lossless: bool | None
+    speedup: float | None
+    speedup_interval: Interval | None
+    prompts: Annotated[int, Field(ge=1)]
+    temperature: float
+    max_new_tokens: int
+
+
+class Hardware(Open):
+    device: str
+    device_type: str
+    torch: str
+    cuda: str | None = None
+    driver: str | None = None
+
+
+class MethodKey(Open):
+    method: str
+    budget: int
+
+
+class Verdict(Open):  # speed.verdict
+    best: MethodKey
+    speedup: float
+    interval: Interval | None
+    recommended: MethodKey | None
+    indistinguishable: list[MethodKey]
+
+    @model_validator(mode="after")
+    def _named(self):
+        if self.recommended is None and len(self.indistinguishable) < 2:
+            raise ValueError("a verdict without a recommendation lists at least two indistinguishable methods")
+        return self
+
+
+class DeviceAdvice(Open):
+    name: str | None
+    concurrency: dict[int, Verdict]
+
+
+class Advice(Open):
+    measured: Verdict
+    concurrency: dict[int, Verdict]
+    device: DeviceAdvice | None = None
+
+
+class EvalReport(Open):
+    target: str
+    target_revision: str | None = None
+    drafter_fingerprint: str | None = None  # None: an older dflash-eval (the exporter says so)
+    block_size: int | None = None
+    hardware: Hardware
+    results: Annotated[list[Result], Field(min_length=1)]
+    advice: Annotated[dict[str, Advice], Field(min_length=1)]
+
+    @model_validator(mode="after")
+    def _same_suites(self):
+        measured = {r.suite for r in self.results}
+        if measured != set(self.advice):
+            raise ValueError(f"results' suites {sorted(measured)} are not advice's suites {sorted(self.advice)}")
+        return self
+
+
+def read_report(path: str) -> dict:
+    """A report.json written by dflash-eval, checked against EvalReport (one line naming the field)."""
+    where = f"eval report '{path}'"
+    try:
+        report = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where} is not a readable dflash-eval report.json ({type(e).__name__})") from None
+    validated(EvalReport, report, where)
+    return report
+
+# --- report.md and plots ----------------------------------------------------------------------
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _speedup(value, iv) -> str:
@@ -50,7 +144,7 @@ def markdown(report: dict) -> str:
     extrapolated = False
     for suite, adv in report["advice"].items():
         rows = [r for r in report["results"] if r["suite"] == suite]
-        lines += [f"## {suite} ({rows[0]['prompts']} prompts)", "",
+        lines += [f"## {suite} ({plural(rows[0]['prompts'], 'prompt')})", "",
                   "| method | budget | tau | speedup vs AR (90% interval) | tokens/s | lossless | draft ms | tree ms "
                   "| verify ms | commit ms | loops | tau without loops |",
                   "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
@@ -97,14 +191,17 @@ def markdown(report: dict) -> str:
 
 def plot_tau(report: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
+    any_tree = False
     for suite in report["advice"]:
         rows = [r for r in report["results"] if r["suite"] == suite]
         tree = sorted((r["budget"], r["tau"]) for r in rows if r["method"] == "ddtree")
+        any_tree |= bool(tree)
         line = ax.plot([b for b, _ in tree], [t for _, t in tree], marker="o", label=f"{suite}: DDTree")
         chain = next(r["tau"] for r in rows if r["method"] == "dflash")
         ax.axhline(chain, linestyle="--", color=line[0].get_color(), label=f"{suite}: DFlash chain")
     ax.axhline(1.0, color="grey", linewidth=0.8, label="AR")
-    ax.set_xscale("log", base=2)
+    if any_tree:  # `--budgets 0`: no tree, only the chain's and AR's levels (no budgets to log-scale)
+        ax.set_xscale("log", base=2)
     ax.set_xlabel("tree budget (non-root nodes)")
     ax.set_ylabel("tau (tokens per target forward)")
     ax.legend(fontsize=7)

@@ -8,6 +8,8 @@ cannot be tapped (the Speculators format cannot carry it either).
 """
 
 import hashlib
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +155,47 @@ def model_identity(name_or_path: str, revision: str | None) -> tuple[str, str | 
     return name_or_path, revision
 
 
+def hash_files(files: list[Path]) -> str:
+    """SHA-256 over each file's name and bytes, in order."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def hash_cache_file() -> Path:
+    """DFLASH_HASH_CACHE, else ~/.cache/dflash-train/weight_hashes.json (XDG_CACHE_HOME respected)."""
+    if os.environ.get("DFLASH_HASH_CACHE"):
+        return Path(os.environ["DFLASH_HASH_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-train" / "weight_hashes.json"
+
+
+def weights_sha256(files: list[Path]) -> str:
+    """hash_files, remembered per (path, size, mtime) of every file: re-pinning a 16 GB local
+    verifier on each export took minutes; a file rewritten or touched is hashed again."""
+    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    path = hash_cache_file()
+    try:
+        cache = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    cache = cache if isinstance(cache, dict) else {}
+    if isinstance(cache.get(key), str):
+        return cache[key]
+    cache[key] = digest = hash_files(files)
+    try:  # write then rename: a concurrent reader sees the old cache or the new one, never half
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1))
+        tmp.replace(path)
+    except OSError:  # a read-only home: hash again next time
+        pass
+    return digest
+
+
 def resolve_pin(verifier: str, revision: str | None) -> dict:
     """How the verifier is pinned: an explicit revision, the commit of a Hub cache snapshot, or
     (plain local folder) the SHA-256 of its safetensors files."""
@@ -166,13 +209,7 @@ def resolve_pin(verifier: str, revision: str | None) -> dict:
         files = sorted(local.glob("*.safetensors"))
         if not files:
             raise UserError(f"cannot pin verifier '{verifier}': no safetensors weights to hash")
-        h = hashlib.sha256()
-        for f in files:
-            h.update(f.name.encode())
-            with open(f, "rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None, "sha256": h.hexdigest(),
+        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None, "sha256": weights_sha256(files),
                 "files": [f.name for f in files]}
     from huggingface_hub import try_to_load_from_cache
 

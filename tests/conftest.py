@@ -1,15 +1,20 @@
 """Shared fixtures: the bundled tiny target, tiny Qwen3/Llama targets with random weights, small data."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # Tests never reach the Hub or a tracking server.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# Weight hashes of local verifiers (target.weights_sha256) are remembered here, not in ~/.cache.
+os.environ.setdefault("DFLASH_HASH_CACHE", os.path.join(tempfile.mkdtemp(prefix="dflash-hashes-"), "hashes.json"))
 
 import pytest
 import torch
@@ -114,3 +119,15 @@ def error_line(stderr: str) -> str:
 def chat_prompt(tokenizer, question: str):
     return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
                                          return_tensors="pt", return_dict=True)["input_ids"]
+
+
+def run_main(main, argv) -> tuple[int, str, str]:
+    """A CLI's `main(argv)` in this process (no interpreter start-up) -> (exit code, stdout, stderr).
+    SystemExit (cli_guard's exit 2, argparse) becomes the code; a normal return is 0."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main([str(a) for a in argv]) or 0
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return rc, out.getvalue(), err.getvalue()

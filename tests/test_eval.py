@@ -10,6 +10,7 @@ import matplotlib.image as mpimg
 import pytest
 import torch
 
+from conftest import run_main
 from dflash_train import speed
 from dflash_train.checkpoint import drafter_fingerprint, load_drafter
 from dflash_train.eval import Sample, device_costs_model, main, predictions, summarize, sweep_order
@@ -182,7 +183,7 @@ def run_cli(*args):
                           cwd=ROOT, timeout=300)
 
 
-def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_target_dir, capsys):
+def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_target_dir):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "x").write_text("keep")
@@ -202,8 +203,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
             r = run_cli(*args)
             code, stderr = r.returncode, r.stderr
         else:
-            capsys.readouterr()
-            code, stderr = run_main(capsys, *args)
+            code, _, stderr = run_main(main, args)
         assert code == 2, (args, stderr[-2000:])
         lines = [ln for ln in stderr.strip().splitlines() if ln.startswith("error:")]
         assert len(lines) == 1 and message in lines[0], stderr[-2000:]
@@ -212,13 +212,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
     assert (busy / "x").read_text() == "keep"
 
 
-def run_main(capsys, *args):
-    with pytest.raises(SystemExit) as e:
-        main(list(args))
-    return e.value.code, capsys.readouterr().err
-
-
-def test_cheap_inputs_are_checked_before_any_loading(tmp_path, capsys, trained_drafter_dir):
+def test_cheap_inputs_are_checked_before_any_loading(tmp_path, trained_drafter_dir):
     """Each bad flag is one line and exit 2, named before the (missing) drafter or target is
     touched: the drafter and target given here do not exist, so reaching them would say so."""
     nope = ["--drafter", str(tmp_path / "no-drafter"), "--target", str(tmp_path / "no-target")]
@@ -244,11 +238,11 @@ def test_cheap_inputs_are_checked_before_any_loading(tmp_path, capsys, trained_d
         cases.append((["--device", "cuda"], "has no CUDA support" if torch.version.cuda is None else "no CUDA device"))
     for args, message in cases:
         out = tmp_path / "out"
-        code, err = run_main(capsys, *nope, *args, "--output", str(out))
+        code, _, err = run_main(main, [*nope, *args, "--output", out])
         lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
         assert code == 2 and len(lines) == 1 and message in lines[0], (args, err)
         assert not out.exists()
     # and a good suite with a missing target fails on the target, after the drafter loaded
-    code, err = run_main(capsys, "--drafter", str(trained_drafter_dir), "--target", str(tmp_path / "no-target"),
-                         "--output", str(tmp_path / "out"))
+    code, _, err = run_main(main, ["--drafter", trained_drafter_dir, "--target", tmp_path / "no-target",
+                                   "--output", tmp_path / "out"])
     assert code == 2 and "target not found" in err

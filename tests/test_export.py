@@ -14,7 +14,7 @@ import torch
 from huggingface_hub import ModelCard
 from safetensors.torch import load_file
 
-from conftest import TINY_TARGET, broken_target, error_line
+from conftest import TINY_TARGET, broken_target, error_line, run_main
 from dflash_train.checkpoint import drafter_fingerprint, load_drafter
 from dflash_train.export import main
 from dflash_train.model import ContextCache
@@ -228,7 +228,7 @@ def no_mask_target(tmp_path_factory):
 
 
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, llama_target_dir, no_mask_target,
-                                                         tmp_path, capsys):
+                                                         tmp_path):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep").write_text("x")
@@ -256,10 +256,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, ll
             r = run_cli(*args)
             code, stderr = r.returncode, r.stderr
         else:
-            capsys.readouterr()
-            with pytest.raises(SystemExit) as e:
-                main(args)
-            code, stderr = e.value.code, capsys.readouterr().err
+            code, _, stderr = run_main(main, args)
         assert code == 2, (args, stderr[-1500:])
         errors = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
         assert len(errors) == 1 and message in errors[0], (message, stderr[-1500:])
@@ -269,14 +266,13 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, ll
     assert [p.name for p in busy.iterdir()] == ["keep"]
 
 
-def exits_2(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as e:
-        main(argv)
-    assert e.value.code == 2
-    return error_line(capsys.readouterr().err)
+def exits_2(argv) -> str:
+    code, _, stderr = run_main(main, argv)
+    assert code == 2, stderr[-2000:]
+    return error_line(stderr)
 
 
-def test_only_reports_of_this_drafter_target_and_block_size_go_into_the_card(fresh_drafter_dir, tmp_path, capsys):
+def test_only_reports_of_this_drafter_target_and_block_size_go_into_the_card(fresh_drafter_dir, tmp_path):
     good = fake_report(drafter_fingerprint(load_drafter(fresh_drafter_dir)[0]))
     report = tmp_path / "report.json"
     base = ["--format", "dflash", "--checkpoint", str(fresh_drafter_dir), "--eval-report", str(report)]
@@ -286,7 +282,7 @@ def test_only_reports_of_this_drafter_target_and_block_size_go_into_the_card(fre
                             ({"target": "Qwen/Qwen3-8B"}, "was measured against target 'Qwen/Qwen3-8B', not the "
                                                           f"verifier '{TINY_TARGET}'")]:
         report.write_text(json.dumps({**good, **change}))
-        assert message in exits_2([*base, "--output", str(tmp_path / "o")], capsys)
+        assert message in exits_2([*base, "--output", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
     # the same target spelt another way, and the same drafter in another format, are accepted
     report.write_text(json.dumps({**good, "target": "data/tiny-target/"}))
@@ -296,20 +292,20 @@ def test_only_reports_of_this_drafter_target_and_block_size_go_into_the_card(fre
     assert "| ddtree | 64 | 5.1234 | yes |" in (tmp_path / "o2" / "README.md").read_text()
 
 
-def test_cheap_checks_come_before_the_verifier_is_read(fresh_drafter_dir, tmp_path, capsys):
+def test_cheap_checks_come_before_the_verifier_is_read(fresh_drafter_dir, tmp_path):
     """A bad Hub id or report is found before the (possibly huge) verifier is touched: here the
     verifier is broken, and the error is still about the cheap input."""
     broken = broken_target(tmp_path / "broken", "garbage")
     (broken / "config.json").write_text("{not json")
     base = ["--format", "dflash", "--checkpoint", str(fresh_drafter_dir), "--verifier", str(broken)]
     for repo in ["me/my model", "a/b/c"]:
-        line = exits_2([*base, "--output", str(tmp_path / "o"), "--push-to-hub", repo, "--dry-run"], capsys)
+        line = exits_2([*base, "--output", str(tmp_path / "o"), "--push-to-hub", repo, "--dry-run"])
         assert f"--push-to-hub '{repo}' is not a Hub repo id" in line
     report = tmp_path / "r.json"
     report.write_text(json.dumps(fake_report("1" * 64)))
     assert "measured another drafter" in exits_2([*base, "--output", str(tmp_path / "o"), "--eval-report",
-                                                  str(report)], capsys)
-    assert "cannot load verifier" in exits_2([*base, "--output", str(tmp_path / "o")], capsys)
+                                                  str(report)])
+    assert "cannot load verifier" in exits_2([*base, "--output", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
 
 

@@ -10,7 +10,7 @@ import pytest
 from datasets import load_from_disk
 from transformers import AutoTokenizer
 
-from conftest import TINY_TARGET
+from conftest import TINY_TARGET, run_main
 from dflash_train import prepare
 from dflash_train.data import load_conversations
 from dflash_train.errors import UserError
@@ -252,18 +252,8 @@ BAD_INPUTS = {  # case -> (how to make the input, expected error fragment)
 }
 
 
-def run_in_process(capsys, *args) -> tuple[int, str]:
-    """dflash-prepare's main in this process (no interpreter start-up): (exit code, stderr)."""
-    from dflash_train.prepare import main
-
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        main([str(a) for a in args])
-    return e.value.code, capsys.readouterr().err
-
-
 @pytest.mark.parametrize("case", list(BAD_INPUTS) + ["no_chat_template", "strict", "vllm_missing"])
-def test_bad_input_is_one_error_line(case, tmp_path, capsys):
+def test_bad_input_is_one_error_line(case, tmp_path):
     """One `error:` line, exit 2, nothing written. The first case runs the real command line
     (interpreter, entry point); the rest call main in-process, which is the same code under cli_guard."""
     target, extra = TINY_TARGET, []
@@ -284,7 +274,7 @@ def test_bad_input_is_one_error_line(case, tmp_path, capsys):
         r = run_cli(*args)
         code, stderr = r.returncode, r.stderr
     else:
-        code, stderr = run_in_process(capsys, *args)
+        code, _, stderr = run_main(prepare.main, args)
     errors = [line for line in stderr.splitlines() if line.startswith("error:")]
     assert code == 2 and "Traceback" not in stderr, stderr[-2000:]
     assert len(errors) == 1 and expected in errors[0], stderr[-2000:]

@@ -224,7 +224,8 @@ class Bench:
                 trees = {b: by[("ddtree", b)] for m, b in by if m == "ddtree"}
                 tried = [r for r in res if r["method"] != "ar" and r["speedup"] is not None]
                 best = max(tried, key=lambda r: r["speedup"])
-                loops = {k: report.get("loops", {}).get(suite, {}).get(k) for k in ("replies", "looping")}
+                loops = {"replies": chain.get("replies"), "looping": chain.get("looping_replies"),
+                         "chain_tau_without_loops": chain.get("tau_without_loops")}
                 rows.append({
                     "row": name, "suite": suite, "temperature": report["temperature"],
                     "prompts": chain["prompts"], "chain_tau": chain["tau"],

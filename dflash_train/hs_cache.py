@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from dflash_train.data import check_data_path, load_conversations
 from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard, read_json
-from dflash_train.outputs import match_umask, require_free_output, sibling, write_marker
+from dflash_train.outputs import file_sha256, match_umask, require_free_output, sibling, write_marker
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import (Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin,
                                  target_dtype, target_forward)
@@ -106,14 +106,6 @@ def _decode(f, key: str, dtype: str) -> torch.Tensor:
     return x.float() * f.get_tensor(key + "_scale") if dtype == "fp8" else x.float()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _write_json(path: Path, obj: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
@@ -163,7 +155,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
         stale.unlink()
     partial = found if old is None else None  # the shards an earlier build of these settings listed
     done = {s["file"]: s for s in (partial or {}).get("shards", [])
-            if (out / s["file"]).is_file() and _sha256(out / s["file"]) == s["sha256"]}
+            if (out / s["file"]).is_file() and file_sha256(out / s["file"]) == s["sha256"]}
     print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} bytes/token "
           f"({dtype}), {head['tokens'] * head['bytes_per_token'] / 2**20:,.1f} MiB in all; "
           f"{len(done)} shard(s) already done", file=sys.stderr)
@@ -196,7 +188,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
         save_file(tensors, tmp)
         match_umask(tmp)  # safetensors writes 0600
         os.replace(tmp, out / name)  # a shard is either absent or complete
-        shards.append({"file": name, "rows": [lo, hi], "tokens": sum(lengths[lo:hi]), "sha256": _sha256(out / name),
+        shards.append({"file": name, "rows": [lo, hi], "tokens": sum(lengths[lo:hi]), "sha256": file_sha256(out / name),
                        "bytes": (out / name).stat().st_size})
         _write_json(out / PARTIAL, {**head, "shards": shards})
     manifest = {**head, "shards": shards, "bytes_on_disk": sum((out / s["file"]).stat().st_size for s in shards)}
@@ -272,7 +264,7 @@ def check_complete(path: Path) -> dict:
             raise UserError(f"hidden-state cache '{path}': {shard.file} does not hold rows {lo}..{hi - 1}: {rebuild}")
     if sum(sizes) <= HASH_LIMIT:
         for shard in m.shards:
-            if _sha256(path / shard.file) != shard.sha256:
+            if file_sha256(path / shard.file) != shard.sha256:
                 raise UserError(f"hidden-state cache '{path}': {shard.file} does not match the SHA-256 in its "
                                 f"manifest (damaged or replaced): {rebuild}")
     return m.model_dump(exclude_none=True)

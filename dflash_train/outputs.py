@@ -12,6 +12,7 @@ beside the old one (a temporary sibling) and swapped in at the very end, so a fa
 the old output as it was. An output may not be, hold or lie inside one of the command's inputs.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -192,3 +193,12 @@ def write_atomically(out: Path, write: Callable[[Path], None], kind: str) -> Non
         replace_folder(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of one file, read in 1 MiB pieces (wheels, cache shards)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

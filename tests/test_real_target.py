@@ -306,7 +306,7 @@ def fixture_wheels(tiny_gguf, suite_files, tmp_path, monkeypatch):
         with zipfile.ZipFile(path, "w") as z:
             for m in members:
                 z.write(content[m], m)
-        monkeypatch.setitem(real_target.WHEELS, req, (real_target.sha256(path), members))
+        monkeypatch.setitem(real_target.WHEELS, req, (real_target.file_sha256(path), members))
     offline_pip(monkeypatch)
     return tmp_path / "real"
 

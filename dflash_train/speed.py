@@ -142,7 +142,7 @@ class Curves:
     N requests of width w after P tokens each cost one request's forward of width W = N w after
     T = N P tokens (the KV of N contexts is read and copied per forward), less the attention
     pairs a single wide request would compute that N separate ones do not: the single one
-    attends W (T + W) pairs, the N requests N w (P + w). The single request's cost is the width
+    attends W (T + W) pairs (W (P + W) as read off the width curve), the N requests N w (P + w). The single request's cost is the width
     curve plus the measured extra cost of a longer context, which is linear in width
     (per context token: a fixed part and a per-query part), so a few widths per context suffice;
     the per-pair cost is that per-query part, fitted from the same points."""
@@ -197,7 +197,11 @@ class Curves:
         T = requests * P
         totals, extra = self._extra_context_ms(W)
         single = single + at_width(totals, extra, T)
-        unshared = W * (T + W) - requests * width * (P + width)  # pairs one wide request attends, N do not
+        # Pairs one wide request attends and N requests do not: W (T + W) against N w (P + w), the
+        # single request's read off the width curve as its cost is (interpolated, or beyond the
+        # widest along the last segment), its longer context linear in W as the extra cost is.
+        pairs_at_P = at_width(self.widths, np.array([[w * (self.context + w) for w in self.widths]], float), W)
+        unshared = pairs_at_P[0] + W * (T - self.context) - requests * width * (P + width)
         return np.maximum(single - self.per_pair_ms() * unshared, at_width(self.widths, self.verify_ms, width))
 
     def extrapolated(self, requests: int, width: int, context: int | None = None) -> list[str]:

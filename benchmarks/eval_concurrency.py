@@ -17,6 +17,9 @@ width N x (budget + 1) after one context, width only; after, `speed.Curves.verif
 curve plus the context axis `measure_costs` now measures at N x the mean context, less the
 attention pairs N separate requests do not compute. Prints both, direct ms, and direct /
 predicted; --json writes every number (per-run times, per-round curves) with the command.
+The prediction reads N contexts of the mean, as dflash-eval does; this batch pads every row to the
+longest (pad %), which a paged-attention server does not: `after_padded_ms` (JSON only) is the
+same model given N contexts of the longest, a diagnostic of how much of a miss is the padding.
 """
 
 import argparse
@@ -159,13 +162,15 @@ def main(argv=None):
                 width = N * (b + 1)
                 before = float(at_width(costs["widths"], curve, width))
                 after = float(curves.verify_at(N, b + 1)[0])
+                after_padded = float(curves.verify_at(N, b + 1, P)[0])
                 d = statistics.median(direct[b])
                 pad = 100 * (1 - sum(lengths) / (N * P))
                 flag = "*" if width > max(costs["widths"]) else " "
                 print(f"{context:>7} {N:>3} {b:>6} {width:>5}{flag} {before:>9.2f} {after:>9.2f} {d:>9.2f} "
                       f"{d / before:>8.2f} {d / after:>8.2f} {pad:>6.1f} {worst[b]:>12.2e}", flush=True)
                 cells.append({"context": context, "requests": N, "budget": b, "width": width, "lengths": lengths,
-                              "predicted_before_ms": before, "predicted_after_ms": after, "direct_ms": d,
+                              "predicted_before_ms": before, "predicted_after_ms": after,
+                              "predicted_after_padded_ms": after_padded, "direct_ms": d,
                               "direct_over_before": d / before, "direct_over_after": d / after,
                               "extrapolated_axes": curves.extrapolated(N, b + 1), "pad_percent": pad,
                               "max_abs_dlogit": worst[b], "direct_runs_ms": direct[b]})

@@ -226,15 +226,28 @@ def measured_stages(n: int, R: int):
                           "verify": ms_per_round(xs, n, R, lambda x: x.stage_s["verify"])}
 
 
-def device_costs_model(device_costs: dict, n: int, R: int) -> tuple[speed.Curves, object]:
+def scorer_key(config, tree_scores: str) -> tuple[str | None, str | None]:
+    """Which of gpu_costs.py's scored costs a drafter decodes with: (its DDTree's, its chain's
+    walk), e.g. ("dspark-gated", "dspark-gated"); None: the plain tree, argmax chain."""
+    key = (f"dspark-{config.markov_head_type}" if config.variant == "dspark" and config.markov_rank
+           else "dflash2" if config.variant == "dflash2" and config.selector_rank else None)
+    return (key if tree_scores == "conditional" else None), key
+
+
+def device_costs_model(device_costs: dict, n: int, R: int, scores: tuple = (None, None)) -> tuple[speed.Curves, object]:
     """Curves and stage times on the device of a benchmarks/gpu_costs.py JSON: its verify curve
     (with its context axis when the file has verify_ms_by_context), its draft time (drafting grows
     in proportion to the requests unless the file has draft_ms_by_batch), its tree build by
-    budget; commit is not in it."""
+    budget; commit is not in it. scores (scorer_key): a DSpark or DFlash2 drafter's trees cost its
+    path-conditioned build and its chain the per-round walk, host work of every request, when the
+    file has them (tree_build_ms_by_scores, chain_walk_ms_by_scores); otherwise the plain build."""
     vt = sorted((int(w), float(ms)) for w, ms in device_costs["verify_ms_by_width"].items())
     dt = sorted((int(c), float(ms)) for c, ms in device_costs.get("draft_ms_by_batch", {}).items()) or [
         (1, float(device_costs["draft_ms"]))]
-    tree = sorted((int(b), float(ms)) for b, ms in device_costs.get("tree_build_ms_by_budget", {}).items())
+    tree_key, chain_key = scores
+    scored = device_costs.get("tree_build_ms_by_scores", {}).get(tree_key) or device_costs.get("tree_build_ms_by_budget", {})
+    tree = sorted((int(b), float(ms)) for b, ms in scored.items())
+    walk = float(device_costs.get("chain_walk_ms_by_scores", {}).get(chain_key, 0.0))
     by_context = {int(t): {int(w): float(ms) for w, ms in row.items()}
                   for t, row in device_costs.get("verify_ms_by_context", {}).items()}
     extra = {}
@@ -249,7 +262,7 @@ def device_costs_model(device_costs: dict, n: int, R: int) -> tuple[speed.Curves
 
     def stages(m, xs):
         method, budget = m
-        host = 0.0
+        host = walk if method == "dflash" else 0.0
         if method == "ddtree" and tree:
             host = float(speed.at_width([b for b, _ in tree], np.array([ms for _, ms in tree]), budget))
         full = lambda v: np.full((n, R), v)  # noqa: E731
@@ -438,6 +451,7 @@ def main(argv=None):
     ar = [x for x in samples if x.method == "ar"]
     context = max(1, round(sum(x.context_tokens for x in ar) / max(sum(x.decoded for x in ar), 1)))
     costs = measure_costs(target, drafter, context, args.concurrency, contexts=[c * context for c in args.concurrency])
+    args.scores = scorer_key(drafter.config, args.tree_scores)  # which scored costs --verify-times reads
     report = build_report(args, argv, suites, methods, samples, costs, device_costs, B)
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
@@ -470,7 +484,8 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
         advice[name] = {"measured": speed.verdict(measured), "concurrency": by_concurrency}
         if device_costs:
             dev_rows, dev_verdicts = predictions(by_method, methods, n, args, draws,
-                                                 *device_costs_model(device_costs, n, args.repeats))
+                                                 *device_costs_model(device_costs, n, args.repeats,
+                                                                     getattr(args, "scores", (None, None))))
             for m in methods:
                 rows[m]["predicted_on_device"] = dev_rows[m]
             advice[name]["device"] = {"name": device_costs.get("device"), "concurrency": dev_verdicts}
@@ -492,7 +507,9 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
                   "draft_ms_by_batch": {str(c): round(float(v), 4)
                                         for c, v in zip(costs["batches"], np.median(draft_ms, axis=0))},
                   **cost_grid(costs, curves),
-                  "device_costs": {"name": device_costs.get("device"), "file": str(args.verify_times)}
+                  "device_costs": {"name": device_costs.get("device"), "file": str(args.verify_times),
+                                   "scores": dict(zip(["tree", "chain"], getattr(args, "scores", (None, None)))),
+                                   "context_axis": bool(device_costs.get("verify_ms_by_context"))}
                   if device_costs else None},
         "results": results, "advice": advice,
         "command": "dflash-eval " + " ".join(sys.argv[1:] if argv is None else argv),

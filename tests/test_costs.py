@@ -140,3 +140,28 @@ def test_measure_costs_times_the_longer_contexts(tiny_target):
     assert costs["contexts"] == [16, 32] and costs["context_widths"] == [1, 4]
     assert np.asarray(costs["context_verify_ms"]).shape == (2, 2, 2)
     assert np.asarray(costs["verify_ms"]).shape == (2, 3) and (np.asarray(costs["context_verify_ms"]) > 0).all()
+
+
+def test_device_costs_count_the_scored_tree_and_the_chain_walk():
+    """A DSpark (or DFlash2) drafter on --verify-times: its DDTree costs the path-conditioned build
+    and its chain the per-round walk, per request; a DFlash drafter still the plain build."""
+    from types import SimpleNamespace
+
+    from dflash_train.eval import scorer_key
+    dev = {"device": "GPU", "context": P0, "draft_ms": 1.0, "verify_ms_by_width": {"1": 10.0, "17": 11.0},
+           "tree_build_ms_by_budget": {"16": 0.5}, "tree_build_ms_by_scores": {"dspark-gated": {"16": 2.0},
+                                                                             "dflash2": {"16": 0.8}},
+           "chain_walk_ms_by_scores": {"dspark-gated": 0.3, "dflash2": 0.1}}
+    gated = SimpleNamespace(variant="dspark", markov_rank=256, markov_head_type="gated", selector_rank=0)
+    plain = SimpleNamespace(variant="dflash", markov_rank=0, markov_head_type="vanilla", selector_rank=0)
+    dflash2 = SimpleNamespace(variant="dflash2", markov_rank=0, markov_head_type="vanilla", selector_rank=256)
+    assert scorer_key(gated, "conditional") == ("dspark-gated", "dspark-gated")
+    assert scorer_key(gated, "marginal") == (None, "dspark-gated")  # the chain walks whatever the tree
+    assert scorer_key(dflash2, "conditional") == ("dflash2", "dflash2") and scorer_key(plain, "conditional") == (None, None)
+    host = lambda scores, m: device_costs_model(dev, 2, 1, scores)[1](m, [])["host"][0, 0]  # noqa: E731
+    assert host(scorer_key(gated, "conditional"), ("ddtree", 16)) == 2.0
+    assert host(scorer_key(gated, "conditional"), ("dflash", 15)) == 0.3
+    assert host(scorer_key(dflash2, "conditional"), ("ddtree", 16)) == 0.8
+    assert host(scorer_key(gated, "marginal"), ("ddtree", 16)) == 0.5
+    assert host(scorer_key(plain, "conditional"), ("ddtree", 16)) == 0.5
+    assert host(scorer_key(plain, "conditional"), ("dflash", 15)) == 0.0

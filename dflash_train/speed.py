@@ -206,9 +206,10 @@ class Curves:
 
     def extrapolated(self, requests: int, width: int, context: int | None = None) -> list[str]:
         """Which axes the prediction for `requests` x `width` reads beyond the measured grid."""
-        W, T = requests * width, requests * (self.context if context is None else context)
+        W = requests * width
         out = ["width"] if W > max(self.widths) else []
-        if self.contexts:
+        if self.contexts:  # else the context is no axis of this model: nothing read beyond it
+            T = requests * (self.context if context is None else context)
             if T > max(self.contexts):
                 out.append("context")
             if T > self.context and W > max(self.context_widths):

@@ -113,6 +113,9 @@ def test_width_only_costs_say_so():
              "draft_ms": [[1.0]]}
     grid = cost_grid(costs, speed.Curves.from_rounds(costs, resamples=5))
     assert grid["measured_grid"] == [[w, P0] for w in WIDTHS] and "width only" in grid["model"]
+    old = curves_for([])  # also with no context at all (a width-only costs JSON from --verify-times)
+    old.context = None
+    assert old.extrapolated(4, 300) == ["width"] and old.extrapolated(4, 3) == []
 
 
 def test_device_costs_with_a_context_axis():

@@ -4,7 +4,8 @@
 #   2. 20 bf16 steps of a Qwen3-8B-shaped drafter (5 layers, block 16, 512 anchors, 3072 tokens) on a
 #      random Qwen3-8B-shaped target (6 layers) under single GPU, FSDP2 (1 process) and ZeRO-2 (1 process):
 #      train tokens/s and peak GPU memory, from each run's summary.json
-#   3. benchmarks/gpu_costs.py (verify/draft/tree/step costs at Qwen3-8B's shape) -> $OUT/gpu_costs.json
+#   3. benchmarks/gpu_costs.py (verify/draft/tree/step costs at Qwen3-8B's shape; verify also after 2K-32K context
+#      tokens, the context axis of dflash-eval's concurrency prediction; DSpark/DFlash2 scored trees) -> $OUT/gpu_costs.json
 #
 #   bash benchmarks/gpu_check.sh                 # on the GPU machine, from the repo root
 #   TINY=1 bash benchmarks/gpu_check.sh          # the same script at tiny shapes on a CPU (smoke test)

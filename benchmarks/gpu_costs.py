@@ -14,11 +14,16 @@ Measured, each the median of --repeats runs after WARMUP untimed ones, with the 
 synchronised before and after every run (wall clock, so host work such as the tree's heap counts):
   verify   `decode.verify` on [root + n tree nodes], width = n + 1, after a prefix of --context
            tokens in a DynamicCache; the tree is `build_tree` on real drafter logits (root only at
-           width 1); the cache is cropped back to the prefix after each run
+           width 1); the cache is cropped back to the prefix after each run; and the context axis
+           (`verify_ms_by_context`): the same at --context-widths after each of --contexts tokens
+           (N requests after P tokens each read N x P; dflash-eval's concurrency prediction needs it)
   draft    one `decode.draft_block` (drafter pass on [bonus, MASK x (B-1)] + LM head on B-1 rows);
            and `costs.draft_batch`, the same pass for --draft-batches requests at once (dflash-eval's
            --concurrency prediction reads `draft_ms_by_batch`)
-  tree     `build_tree` on the drafter's [B-1, V] logits, per budget
+  tree     `build_tree` on the drafter's [B-1, V] logits, per budget; and the path-conditioned trees
+           a DSpark or DFlash2 drafter decodes with (`tree_build_ms_by_scores`: DSpark's
+           MarkovScorer per head type, DFlash2's SelectorScorer; random heads, rank 256) and their
+           chains' per-round walks (`chain_walk_ms_by_scores`: markov_chain, selector_chain)
   step     one round of `decode.decode` (draft + tree + verify + commit, exactly what decoding runs):
            per call, the stage times decode() itself records, over STEP_ROUNDS rounds after a prefill
            of --context tokens (prefill excluded), divided by the rounds; median over --repeats calls.
@@ -37,13 +42,16 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_train.costs import draft_batch
+from dflash_train.costs import CONTEXT_WIDTHS, draft_batch
 from dflash_train.ddtree import build_tree, root_only_tree
-from dflash_train.decode import STAGES, decode, draft_block, verify
+from dflash_train.decode import STAGES, decode, draft_block, draft_hidden, verify
+from dflash_train.dflash2 import CandidateSelector, SelectorScorer, selector_chain
+from dflash_train.dspark import MarkovHead, MarkovScorer, markov_chain
 from dflash_train.model import ContextCache, DFlashDrafter, DrafterConfig
 from dflash_train.target import Target, taps_from_hidden_states
 
@@ -71,6 +79,9 @@ TINY_DFLASH = dict(num_hidden_layers=1, block_size=8, target_layer_ids=[1], mask
 WIDTHS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]  # verify width = 1 + budget
 BUDGETS = [16, 32, 64, 128, 256, 512, 1024]              # DDTree's benchmark budgets
 DRAFT_BATCHES = [1, 4, 16, 64]                          # requests drafted together
+CONTEXTS = [2048, 8192, 32768]                          # total context tokens (N requests x context)
+TINY_CONTEXTS = [2048]
+SCORER_RANK, SELECTOR_TOP_K = 256, 16                   # DSpark / DFlash2 heads (as benchmarks/tree_build.py)
 WARMUP = 3       # untimed runs before each measurement (kernel selection, allocator)
 STEP_ROUNDS = 8  # decode rounds per timed decode() call
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -143,6 +154,33 @@ def step_ms(target: Target, drafter: DFlashDrafter, prompt: torch.Tensor, method
     return total, stages, statistics.mean(taus)
 
 
+def scorer_costs(drafter, target, ctx, bonus: int, start: int, draft_logits: torch.Tensor, budgets: list[int],
+                 repeats: int, device: torch.device) -> tuple[dict, dict]:
+    """Per-round costs of the path-conditioned trees and chain walks, keyed as dflash-eval's
+    --verify-times reads them ("dspark-vanilla", "dspark-gated", "dspark-rnn", "dflash2"): the
+    tree build by budget, and the chain's walk. Random heads of rank SCORER_RANK on this block's
+    hidden states; the tree's per-node work runs on the host whatever the device."""
+    hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
+    V, H = draft_logits.shape[1], hidden.shape[1]
+    trees, walks = {}, {}
+    for head_type in ("vanilla", "gated", "rnn"):
+        head = MarkovHead(V, SCORER_RANK, H, head_type).to(device=device, dtype=hidden.dtype).eval()
+        scorer = MarkovScorer(head, hidden, bonus)
+        key = f"dspark-{head_type}"
+        trees[key] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
+        holder = SimpleNamespace(markov_head=head, confidence_head=None)  # what markov_chain reads of a drafter
+        walks[key] = median_ms(lambda: markov_chain(holder, hidden, draft_logits, bonus), repeats, device)
+        del head, scorer
+    selector = CandidateSelector(V, H, SCORER_RANK, SELECTOR_TOP_K).to(device=device, dtype=hidden.dtype).eval()
+    scorer = SelectorScorer(selector, hidden, bonus)
+    trees["dflash2"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
+    walks["dflash2"] = median_ms(lambda: selector_chain(selector, hidden[1:], draft_logits, bonus), repeats, device)
+    for key in trees:
+        print(f"{key:>14}: tree " + ", ".join(f"{b}: {ms:.3f}" for b, ms in trees[key].items())
+              + f"; chain walk {walks[key]:.3f} ms")
+    return trees, walks
+
+
 def driver_version() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -165,10 +203,16 @@ def main(argv=None):
     p.add_argument("--widths", type=int_list, default=WIDTHS, help="verify widths (root + nodes), comma-separated")
     p.add_argument("--budgets", type=int_list, default=BUDGETS, help="DDTree budgets (non-root nodes), comma-separated")
     p.add_argument("--draft-batches", type=int_list, default=DRAFT_BATCHES, help="requests per drafter pass")
+    p.add_argument("--contexts", type=int_list, default=None,
+                   help=f"longer contexts for the verify cost's context axis, comma-separated ('' for none; "
+                        f"default {CONTEXTS}, --tiny: {TINY_CONTEXTS})")
+    p.add_argument("--context-widths", type=int_list, default=CONTEXT_WIDTHS, help="widths timed at each of --contexts")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per measurement (median)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "gpu_costs.json")
     p.add_argument("--tiny", action="store_true", help="tiny model shape, for a CPU smoke test")
     args = p.parse_args(argv)
+    if args.contexts is None:
+        args.contexts = TINY_CONTEXTS if args.tiny else CONTEXTS
     t_start = time.perf_counter()
     if min(args.widths) < 1 or min(args.budgets) < 1:
         p.error("--widths must be >= 1 and --budgets >= 1")
@@ -232,6 +276,22 @@ def main(argv=None):
             assert cache.get_seq_length() == start
             print(f"{width:>6} {verify_ms[str(width)]:>9.3f}")
 
+        verify_by_context = {}
+        for total in sorted(t for t in set(args.contexts) if t > args.context):  # one request after `total` tokens
+            long = DynamicCache(config=target.model.config)
+            ids = torch.randint(0, target.model.config.vocab_size, (1, total), device=device)
+            for i in range(0, total, 2048):  # chunked prefill: no [total, total] mask
+                target.model(input_ids=ids[:, i : i + 2048], past_key_values=long, use_cache=True)
+            verify_by_context[str(total)] = {}
+            for width in args.context_widths:
+                tree = root_only_tree() if width == 1 else build_tree(draft_logits, width - 1)
+                verify_by_context[str(total)][str(width)] = median_ms(
+                    lambda: verify(target, long, tree, bonus, total, True), args.repeats, device,
+                    reset=lambda: long.crop(-width))
+            print(f"verify after {total} tokens (ms): "
+                  + ", ".join(f"{w}: {ms:.3f}" for w, ms in verify_by_context[str(total)].items()))
+            del long, ids
+
         draft_ms = median_ms(lambda: draft_block(drafter, target, ctx, bonus, start), args.repeats, device)
         print(f"\ndraft: one decode.draft_block, block {L + 1}, {len(ctx)} context tokens: {draft_ms:.3f} ms")
         draft_by_batch = {}
@@ -251,6 +311,8 @@ def main(argv=None):
         for budget in args.budgets:
             tree_ms[str(budget)] = median_ms(lambda: build_tree(draft_logits, budget), args.repeats, device)
             print(f"{budget:>6} {tree_ms[str(budget)]:>9.3f}")
+        scored_ms, walk_ms = scorer_costs(drafter, target, ctx, bonus, start, draft_logits, args.budgets,
+                                          args.repeats, device)
         del cache, ctx, draft_logits
 
         print(f"\nstep: one round of decode.decode ({STEP_ROUNDS} rounds per call after a {args.context}-token "
@@ -269,8 +331,10 @@ def main(argv=None):
 
     if device.type == "cuda":
         print(f"\npeak CUDA memory {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB")
-    result = {**info, "verify_ms_by_width": verify_ms, "draft_ms": draft_ms, "draft_ms_by_batch": draft_by_batch,
-              "tree_build_ms_by_budget": tree_ms,
+    result = {**info, "verify_ms_by_width": verify_ms, "verify_ms_by_context": verify_by_context,
+              "draft_ms": draft_ms, "draft_ms_by_batch": draft_by_batch,
+              "tree_build_ms_by_budget": tree_ms, "tree_build_ms_by_scores": scored_ms,
+              "chain_walk_ms_by_scores": walk_ms,
               "chain_step_ms": chain_ms, "ddtree_step_ms_by_budget": ddtree_ms,
               "chain_stage_ms": chain_stages, "ddtree_stage_ms_by_budget": ddtree_stages,
               "step_timing": f"decode.decode stage clock, {STEP_ROUNDS} rounds per call, prefill excluded"}

@@ -3,8 +3,14 @@ forward by width (tokens verified in one forward) and the drafter's block pass b
 drafted together). dflash-eval measures both itself; dflash_train/speed.py turns them into the
 speedup predicted when several requests share one verify forward.
 
-    costs = measure_costs(target, drafter, context=200, batches=[1, 4, 16])
-    costs["verify_ms"][r][i]   # round r, width costs["widths"][i]
+    costs = measure_costs(target, drafter, context=200, batches=[1, 4, 16], contexts=[800, 3200])
+    costs["verify_ms"][r][i]            # round r, width costs["widths"][i], after `context` tokens
+    costs["context_verify_ms"][r][k][j]  # round r, after costs["contexts"][k], width costs["context_widths"][j]
+
+The context axis is what N requests add beyond width: each reads (and DynamicCache copies) its
+own KV cache per verify forward, so N requests after P tokens are measured as one request after
+N x P (`contexts`, the totals the predictions need), at a few widths only (the extra cost of a
+longer context is linear in width: speed.Curves).
 
 Each round times every width and batch once, in an order rotated from round to round (as the
 eval's sweep rotates methods), so a change in machine load lands on all of them alike; medians
@@ -22,6 +28,7 @@ from dflash_train.model import ContextCache, DFlashDrafter
 from dflash_train.target import Target, taps_from_hidden_states
 
 VERIFY_WIDTHS = [2**k for k in range(11)]  # 1 .. 1024 tokens per verify forward
+CONTEXT_WIDTHS = [1, 32, 1024]  # widths measured at each longer context (up to the widest: see speed.Curves.extrapolated)
 ROUNDS = 10  # timed rounds (each times every width and batch once)
 WARMUP = 2   # untimed rounds first (allocator, kernel selection)
 
@@ -45,12 +52,14 @@ def draft_batch(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus
 
 @torch.no_grad()
 def measure_costs(target: Target, drafter: DFlashDrafter, context: int, batches: list[int],
-                  widths: list[int] = VERIFY_WIDTHS, rounds: int = ROUNDS, seed: int = 0) -> dict:
+                  widths: list[int] = VERIFY_WIDTHS, rounds: int = ROUNDS, seed: int = 0,
+                  contexts: list[int] = (), context_widths: list[int] = CONTEXT_WIDTHS) -> dict:
     """Per round, ms of: one verify forward of [bonus + width-1 tree nodes] after `context` cached
     tokens (decode.verify plus the target's picks brought to the host, as the verify stage of a
-    round does), and one drafter block pass for each batch size. Random tokens: cost does not
-    depend on their values. -> {"context", "widths", "batches", "verify_ms" [rounds][W],
-    "draft_ms" [rounds][C]}."""
+    round does), the same at each of `context_widths` after each of `contexts` tokens, and one
+    drafter block pass for each batch size. Random tokens: cost does not depend on their values.
+    -> {"context", "widths", "batches", "verify_ms" [rounds][W], "draft_ms" [rounds][C],
+    "contexts", "context_widths", "context_verify_ms" [rounds][K][D]}."""
     device = target.embed.weight.device
     V, L = target.model.config.vocab_size, drafter.config.block_size - 1
     g = torch.Generator().manual_seed(seed)
@@ -68,27 +77,42 @@ def measure_costs(target: Target, drafter: DFlashDrafter, context: int, batches:
     trees = {w: root_only_tree() if w == 1 else build_tree(logits, w - 1) for w in widths}
     bonus = int(prompt[0, -1])
 
-    def verify_once(w: int) -> None:
-        logits, _ = verify(target, cache, trees[w], bonus, context, want_taps=True)
+    contexts = sorted({int(t) for t in contexts if t > context})
+    long_caches = {}
+    for t in contexts:  # one request after t tokens (prefilled in chunks of `context`: no [t, t] mask)
+        long_caches[t] = DynamicCache(config=target.model.config)
+        ids = torch.randint(0, V, (1, t), generator=g).to(device)
+        for i in range(0, t, max(context, 256)):
+            target.model(input_ids=ids[:, i : i + max(context, 256)], past_key_values=long_caches[t], use_cache=True)
+    for w in context_widths:
+        trees.setdefault(w, root_only_tree() if w == 1 else build_tree(logits, w - 1))
+
+    def verify_once(w: int, c: DynamicCache = cache, start: int = context) -> None:
+        logits, _ = verify(target, c, trees[w], bonus, start, want_taps=True)
         choose(logits, 0.0, None).tolist()
 
     def draft_once(c: int) -> None:
         draft_batch(drafter, target, ctxs[c], torch.full((c,), bonus, device=device), context)
         _sync(device)
 
-    jobs = [("verify", w) for w in widths] + [("draft", c) for c in batches]
+    jobs = ([("verify", w, context) for w in widths] + [("draft", c, context) for c in batches]
+            + [("verify", w, t) for t in contexts for w in context_widths])
     times = {job: [] for job in jobs}
     for r in range(WARMUP + rounds):
         shift = r % len(jobs)
-        for kind, n in jobs[shift:] + jobs[:shift]:
+        for kind, n, t in jobs[shift:] + jobs[:shift]:
+            c = cache if t == context else long_caches.get(t)
             _sync(device)
             t0 = time.perf_counter()
-            verify_once(n) if kind == "verify" else draft_once(n)
+            verify_once(n, c, t) if kind == "verify" else draft_once(n)
             ms = 1e3 * (time.perf_counter() - t0)
             if kind == "verify":
-                cache.crop(-n)  # back to the prefix, outside the clock
+                c.crop(-n)  # back to the prefix, outside the clock
             if r >= WARMUP:
-                times[(kind, n)].append(ms)
+                times[(kind, n, t)].append(ms)
     return {"context": context, "widths": list(widths), "batches": list(batches),
-            "verify_ms": [[times[("verify", w)][r] for w in widths] for r in range(rounds)],
-            "draft_ms": [[times[("draft", c)][r] for c in batches] for r in range(rounds)]}
+            "verify_ms": [[times[("verify", w, context)][r] for w in widths] for r in range(rounds)],
+            "draft_ms": [[times[("draft", c, context)][r] for c in batches] for r in range(rounds)],
+            "contexts": contexts, "context_widths": list(context_widths) if contexts else [],
+            "context_verify_ms": [[[times[("verify", w, t)][r] for w in context_widths] for t in contexts]
+                                  for r in range(rounds)]}

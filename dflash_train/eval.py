@@ -226,10 +226,10 @@ def predictions(by_method: dict, methods, n: int, args, draws: tuple, curves: sp
             # request the prediction is exactly the measured per-prompt ratio
             tau = grid(by_method[m], n, R, lambda x: x.decoded / len(x.accept_lengths) if x.accept_lengths else np.nan)
             values[m] = speed.predicted_speedup(tau, stages(m, by_method[m]), ar_stages, m[0], m[1], c, curves, draws)
-            width = c * (m[1] + 1)
+            beyond = curves.extrapolated(c, m[1] + 1)  # axes read beyond the measured cost grid
             rows[m][str(c)] = {"speedup": None if np.isnan(values[m][0]) else round(float(values[m][0]), 3),
-                               "interval": speed.interval(values[m]), "verify_width": width,
-                               "extrapolated": width > max(curves.widths)}
+                               "interval": speed.interval(values[m]), "verify_width": c * (m[1] + 1),
+                               "extrapolated": bool(beyond), "extrapolated_axes": beyond}
         verdicts[str(c)] = speed.verdict(values)
     return rows, verdicts
 
@@ -241,21 +241,43 @@ def measured_stages(n: int, R: int):
                           "verify": ms_per_round(xs, n, R, lambda x: x.stage_s["verify"])}
 
 
-def device_costs_model(device_costs: dict, n: int, R: int) -> tuple[speed.Curves, object]:
-    """Curves and stage times on the device of a benchmarks/gpu_costs.py JSON: its verify curve,
-    its draft time (drafting grows in proportion to the requests unless the file has
-    draft_ms_by_batch), its tree build by budget; commit is not in it."""
+def scorer_key(config, tree_scores: str) -> tuple[str | None, str | None]:
+    """Which of gpu_costs.py's scored costs a drafter decodes with: (its DDTree's, its chain's
+    walk), e.g. ("dspark-gated", "dspark-gated"); None: the plain tree, argmax chain."""
+    key = (f"dspark-{config.markov_head_type}" if config.variant == "dspark" and config.markov_rank
+           else "dflash2" if config.variant == "dflash2" and config.selector_rank else None)
+    return (key if tree_scores == "conditional" else None), key
+
+
+def device_costs_model(device_costs: dict, n: int, R: int, scores: tuple = (None, None)) -> tuple[speed.Curves, object]:
+    """Curves and stage times on the device of a benchmarks/gpu_costs.py JSON: its verify curve
+    (with its context axis when the file has verify_ms_by_context), its draft time (drafting grows
+    in proportion to the requests unless the file has draft_ms_by_batch), its tree build by
+    budget; commit is not in it. scores (scorer_key): a DSpark or DFlash2 drafter's trees cost its
+    path-conditioned build and its chain the per-round walk, host work of every request, when the
+    file has them (tree_build_ms_by_scores, chain_walk_ms_by_scores); otherwise the plain build."""
     vt = sorted((int(w), float(ms)) for w, ms in device_costs["verify_ms_by_width"].items())
     dt = sorted((int(c), float(ms)) for c, ms in device_costs.get("draft_ms_by_batch", {}).items()) or [
         (1, float(device_costs["draft_ms"]))]
-    tree = sorted((int(b), float(ms)) for b, ms in device_costs.get("tree_build_ms_by_budget", {}).items())
+    tree_key, chain_key = scores
+    scored = device_costs.get("tree_build_ms_by_scores", {}).get(tree_key) or device_costs.get("tree_build_ms_by_budget", {})
+    tree = sorted((int(b), float(ms)) for b, ms in scored.items())
+    walk = float(device_costs.get("chain_walk_ms_by_scores", {}).get(chain_key, 0.0))
+    by_context = {int(t): {int(w): float(ms) for w, ms in row.items()}
+                  for t, row in device_costs.get("verify_ms_by_context", {}).items()}
+    extra = {}
+    if by_context:
+        cw = sorted(set.intersection(*(set(row) for row in by_context.values())))
+        ts = sorted(by_context)
+        extra = {"context": int(device_costs["context"]), "contexts": ts, "context_widths": cw,
+                 "context_ms": np.array([[[by_context[t][w] for w in cw] for t in ts]])}
     curves = speed.Curves([w for w, _ in vt], np.array([[ms for _, ms in vt]]),
-                          [c for c, _ in dt], np.array([[ms for _, ms in dt]]))
+                          [c for c, _ in dt], np.array([[ms for _, ms in dt]]), **extra)
     draft = float(speed.at_width(curves.batches, curves.draft_ms, 1)[0])
 
     def stages(m, xs):
         method, budget = m
-        host = 0.0
+        host = walk if method == "dflash" else 0.0
         if method == "ddtree" and tree:
             host = float(speed.at_width([b for b, _ in tree], np.array([ms for _, ms in tree]), budget))
         full = lambda v: np.full((n, R), v)  # noqa: E731
@@ -263,6 +285,26 @@ def device_costs_model(device_costs: dict, n: int, R: int) -> tuple[speed.Curves
                 "verify": full(float(speed.at_width(curves.widths, curves.verify_ms, budget + 1)[0]))}
 
     return curves, stages
+
+
+def cost_grid(costs: dict, curves: speed.Curves) -> dict:
+    """The report's record of which (width, context) verify costs were measured and how the
+    predictions read the rest."""
+    measured = [[w, costs["context"]] for w in costs["widths"]]
+    by_context = {}
+    if costs.get("contexts"):
+        med = np.median(np.asarray(costs["context_verify_ms"]), axis=0)  # [K, D]
+        by_context = {str(t): {str(w): round(float(v), 4) for w, v in zip(costs["context_widths"], row)}
+                      for t, row in zip(costs["contexts"], med)}
+        measured += [[w, t] for t in costs["contexts"] for w in costs["context_widths"]]
+    return {"verify_ms_by_context": by_context, "measured_grid": measured,
+            "per_pair_ms": round(float(curves.per_pair_ms()[0]), 8),
+            "model": "N requests of width w after P tokens each = one request of width N w after N P tokens "
+                     "(the width curve plus the measured extra cost of the longer context, linear in width "
+                     "between and beyond the measured context widths) less per_pair_ms x the attention "
+                     "pairs N separate requests do not compute; a prediction whose width or total context "
+                     "lies beyond measured_grid is marked extrapolated, with the axes in extrapolated_axes"
+                     if by_context else "verify cost by width only (no context axis measured)"}
 
 
 def hardware_record(device: torch.device) -> dict:
@@ -462,7 +504,8 @@ def main(argv=None):
     # The cost curve at the mean context the AR verify forwards saw.
     ar = [x for x in samples if x.method == "ar"]
     context = max(1, round(sum(x.context_tokens for x in ar) / max(sum(x.decoded for x in ar), 1)))
-    costs = measure_costs(target, drafter, context, args.concurrency)
+    costs = measure_costs(target, drafter, context, args.concurrency, contexts=[c * context for c in args.concurrency])
+    args.scores = scorer_key(drafter.config, args.tree_scores)  # which scored costs --verify-times reads
     report = build_report(args, argv, suites, methods, samples, costs, device_costs, B)
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
@@ -495,7 +538,8 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
         advice[name] = {"measured": speed.verdict(measured), "concurrency": by_concurrency}
         if device_costs:
             dev_rows, dev_verdicts = predictions(by_method, methods, n, args, draws,
-                                                 *device_costs_model(device_costs, n, args.repeats))
+                                                 *device_costs_model(device_costs, n, args.repeats,
+                                                                     getattr(args, "scores", (None, None))))
             for m in methods:
                 rows[m]["predicted_on_device"] = dev_rows[m]
             advice[name]["device"] = {"name": device_costs.get("device"), "concurrency": dev_verdicts}
@@ -516,7 +560,10 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
                                          for w, v in zip(costs["widths"], np.median(verify_ms, axis=0))},
                   "draft_ms_by_batch": {str(c): round(float(v), 4)
                                         for c, v in zip(costs["batches"], np.median(draft_ms, axis=0))},
-                  "device_costs": {"name": device_costs.get("device"), "file": str(args.verify_times)}
+                  **cost_grid(costs, curves),
+                  "device_costs": {"name": device_costs.get("device"), "file": str(args.verify_times),
+                                   "scores": dict(zip(["tree", "chain"], getattr(args, "scores", (None, None)))),
+                                   "context_axis": bool(device_costs.get("verify_ms_by_context"))}
                   if device_costs else None},
         "results": results, "advice": advice,
         "command": "dflash-eval " + " ".join(sys.argv[1:] if argv is None else argv),

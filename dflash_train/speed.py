@@ -13,7 +13,7 @@ is the data itself (the identity resample): it gives the point estimate through 
     speedup[0], interval(speedup)
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -133,24 +133,92 @@ def at_width(widths: list[int], table: np.ndarray, width: float) -> np.ndarray:
 
 @dataclass
 class Curves:
-    """How a round's costs grow on one device: verify ms by width [S, W] and drafter ms by batch
-    [S, C], either resampled over measurement rounds (S = 1 + RESAMPLES, row 0 the medians of all
-    rounds) or fixed (S = 1)."""
+    """How a round's costs grow on one device: verify ms by width [S, W] after `context` cached
+    tokens and drafter ms by batch [S, C], either resampled over measurement rounds (S = 1 +
+    RESAMPLES, row 0 the medians of all rounds) or fixed (S = 1). The context axis, when measured:
+    verify ms [S, K, D] of one request at each of `contexts` (K longer totals) and
+    `context_widths` (D widths); without it the verify cost does not grow with context.
+
+    N requests of width w after P tokens each cost one request's forward of width W = N w after
+    T = N P tokens (the KV of N contexts is read and copied per forward), less the attention
+    pairs a single wide request would compute that N separate ones do not: the single one
+    attends W (T + W) pairs (W (P + W) as read off the width curve), the N requests N w (P + w). The single request's cost is the width
+    curve plus the measured extra cost of a longer context, which is linear in width
+    (per context token: a fixed part and a per-query part), so a few widths per context suffice;
+    the per-pair cost is that per-query part, fitted from the same points."""
     widths: list[int]
     verify_ms: np.ndarray
     batches: list[int]
     draft_ms: np.ndarray
+    context: int | None = None
+    contexts: list[int] = field(default_factory=list)
+    context_widths: list[int] = field(default_factory=list)
+    context_ms: np.ndarray | None = None  # [S, K, D]
 
     @classmethod
     def from_rounds(cls, costs: dict, resamples: int = RESAMPLES, seed: int = 1) -> "Curves":
         """costs: costs.measure_costs() output (per round: ms per width and per batch)."""
         rounds, _ = resample(len(costs["verify_ms"]), 1, resamples, seed)  # [S, rounds]
-        return cls(costs["widths"], np.median(np.asarray(costs["verify_ms"])[rounds], axis=1),
-                   costs["batches"], np.median(np.asarray(costs["draft_ms"])[rounds], axis=1))
+        med = lambda key: np.median(np.asarray(costs[key])[rounds], axis=1)  # noqa: E731
+        extra = {}
+        if costs.get("contexts"):
+            extra = {"context": costs["context"], "contexts": list(costs["contexts"]),
+                     "context_widths": list(costs["context_widths"]), "context_ms": med("context_verify_ms")}
+        return cls(costs["widths"], med("verify_ms"), costs["batches"], med("draft_ms"), **extra)
 
-    def verify_factor(self, width: int, base: int) -> np.ndarray:
-        """Verify cost at `width` / at `base` -> [S]."""
-        return at_width(self.widths, self.verify_ms, width) / at_width(self.widths, self.verify_ms, base)
+    def _extra_context_ms(self, width: float) -> tuple[list[int], np.ndarray]:
+        """Measured extra verify cost of a longer context at `width`: totals [P, *contexts] and
+        ms [S, 1 + K] (0 at P), linear in width between and beyond the measured context widths."""
+        base = np.stack([at_width(self.widths, self.verify_ms, w) for w in self.context_widths], axis=-1)  # [S, D]
+        extra = self.context_ms - base[:, None, :]  # [S, K, D]
+        at = at_width(self.context_widths, extra, width)  # [S, K]
+        return [self.context, *self.contexts], np.concatenate([np.zeros_like(at[:, :1]), at], axis=1)
+
+    def per_pair_ms(self) -> np.ndarray:
+        """ms per attended (query, key) pair -> [S]: the slope in width of the extra cost per
+        extra context token, least squares over the measured (context, width) points, >= 0."""
+        if not self.contexts or len(set(self.context_widths)) < 2:
+            return np.zeros(self.verify_ms.shape[0])
+        base = np.stack([at_width(self.widths, self.verify_ms, w) for w in self.context_widths], axis=-1)
+        extra = (self.context_ms - base[:, None, :]) / (np.asarray(self.contexts, float) - self.context)[None, :, None]
+        w = np.broadcast_to(np.asarray(self.context_widths, float), extra.shape[1:]).ravel()  # [K*D]
+        y = extra.reshape(extra.shape[0], -1)  # [S, K*D]
+        slope = ((w - w.mean()) * (y - y.mean(axis=1, keepdims=True))).sum(axis=1) / ((w - w.mean()) ** 2).sum()
+        return np.maximum(slope, 0.0)
+
+    def verify_at(self, requests: int, width: int, context: int | None = None) -> np.ndarray:
+        """ms of one verify forward for `requests` requests of `width` tokens after `context`
+        tokens each (default: the measured one) -> [S]."""
+        W = requests * width
+        single = at_width(self.widths, self.verify_ms, W)
+        if not self.contexts:
+            return single  # no context axis: cost by width only
+        P = self.context if context is None else context
+        T = requests * P
+        totals, extra = self._extra_context_ms(W)
+        single = single + at_width(totals, extra, T)
+        # Pairs one wide request attends and N requests do not: W (T + W) against N w (P + w), the
+        # single request's read off the width curve as its cost is (interpolated, or beyond the
+        # widest along the last segment), its longer context linear in W as the extra cost is.
+        pairs_at_P = at_width(self.widths, np.array([[w * (self.context + w) for w in self.widths]], float), W)
+        unshared = pairs_at_P[0] + W * (T - self.context) - requests * width * (P + width)
+        return np.maximum(single - self.per_pair_ms() * unshared, at_width(self.widths, self.verify_ms, width))
+
+    def extrapolated(self, requests: int, width: int, context: int | None = None) -> list[str]:
+        """Which axes the prediction for `requests` x `width` reads beyond the measured grid."""
+        W = requests * width
+        out = ["width"] if W > max(self.widths) else []
+        if self.contexts:  # else the context is no axis of this model: nothing read beyond it
+            T = requests * (self.context if context is None else context)
+            if T > max(self.contexts):
+                out.append("context")
+            if T > self.context and W > max(self.context_widths):
+                out.append("width at context")
+        return out
+
+    def verify_factor(self, requests: int, width: int) -> np.ndarray:
+        """Verify cost of `requests` requests of `width` tokens / of one such request -> [S]."""
+        return self.verify_at(requests, width) / self.verify_at(1, width)
 
     def draft_factor(self, requests: int) -> np.ndarray:
         """Drafter pass for `requests` requests at once / for one -> [S]."""
@@ -165,12 +233,14 @@ def predicted_speedup(tau: np.ndarray, stages: dict, ar_stages: dict, method: st
     tau [n, R]; stages and ar_stages: "draft", "host" (tree build + commit), "verify" -> [n, R], ms
     per round of one request, this method's and AR's on the same prompt and repeat. A round of
     `requests` requests costs: the drafter pass for all of them (draft x draft_factor), every
-    request's host work (host x requests) and one verify forward (verify x verify_factor from
-    budget + 1 to requests x (budget + 1)); AR's the same with width 1 and no drafter. At one
+    request's host work (host x requests, the tree build included: plain, path-conditioned or
+    selector-scored, as decoded) and one verify forward (verify x verify_factor: `requests`
+    requests of budget + 1 tokens, each after its own context, against one); AR's the same with
+    width 1 and no drafter. At one
     request this is the measured per-prompt ratio again; the curves only say how costs grow."""
     pooled = lambda a: _pooled(a, draws)  # noqa: E731  [S, n*R]
     width = budget + 1
-    grow_verify = curves.verify_factor(requests * width, width)[:, None]  # [S, 1]
+    grow_verify = curves.verify_factor(requests, width)[:, None]  # [S, 1]
     t = pooled(stages["host"]) * requests + pooled(stages["verify"]) * grow_verify
     if method != "ar":
         t = t + pooled(stages["draft"]) * curves.draft_factor(requests)[:, None]

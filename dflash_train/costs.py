@@ -50,6 +50,15 @@ def draft_batch(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus
     return target.lm_head(hidden[:, 1:])
 
 
+def widths_for(widest: int) -> tuple[list[int], list[int]]:
+    """The widths worth timing when no prediction reads past `widest` tokens per verify forward:
+    VERIFY_WIDTHS up to the first that covers it, and CONTEXT_WIDTHS below that plus that one. On a
+    CPU a 1,024-wide forward of a real target costs seconds a round: an eval of budgets up to 64 for
+    one request has no use for it. -> (widths, context_widths)"""
+    top = next((w for w in VERIFY_WIDTHS if w >= widest), VERIFY_WIDTHS[-1])
+    return [w for w in VERIFY_WIDTHS if w <= top], sorted({w for w in CONTEXT_WIDTHS if w < top} | {top})
+
+
 @torch.no_grad()
 def measure_costs(target: Target, drafter: DFlashDrafter, context: int, batches: list[int],
                   widths: list[int] = VERIFY_WIDTHS, rounds: int = ROUNDS, seed: int = 0,

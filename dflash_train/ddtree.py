@@ -25,6 +25,7 @@ index and every parent index is below its children's.
 """
 
 import heapq
+import math
 from dataclasses import dataclass
 
 import torch
@@ -173,6 +174,28 @@ def chain_tree(tokens: torch.Tensor) -> DraftTree:
     return DraftTree(tokens=tokens.to("cpu", torch.long), depths=torch.arange(1, n + 1), parents=parents,
                      visibility=torch.ones(n + 1, n + 1, dtype=torch.bool).tril(),
                      log_probs=torch.zeros(n), children=children, ranks=[0] * n, best_child=toks + [-1])
+
+
+RANK_CAP = 3  # calibration cells pool ranks 3 and beyond
+
+
+def calibration_counts(tree: DraftTree, accepted: list[int], posterior: list[int]) -> dict:
+    """The drafter's stated probability against what the target did, at every node the target
+    actually judged: each child of an accepted node (the root included). Its stated probability is
+    the drafter's score for it given its parent, exp(log_prob(child) - log_prob(parent)): the
+    marginal at its depth for DFlash, the path-conditioned one for DSpark / DFlash2. It is a hit
+    when it carries the target's pick there (posterior[parent]: the argmax at temperature 0, a
+    sample otherwise, so the hit rate estimates the target's probability of that token).
+    Returns {(depth, min(rank, RANK_CAP)): [sum of stated probabilities, hits, nodes]}."""
+    lp = [0.0] + tree.log_probs.tolist()  # [n+1], the root's path log-prob is 0
+    cells = {}
+    for parent in accepted:
+        for tok, child in tree.children[parent].items():
+            cell = cells.setdefault((int(tree.depths[child - 1]), min(tree.ranks[child - 1], RANK_CAP)), [0.0, 0, 0])
+            cell[0] += math.exp(lp[child] - lp[parent])
+            cell[1] += int(tok == posterior[parent])
+            cell[2] += 1
+    return cells
 
 
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash_train.ddtree import (DraftTree, accept_walk, build_tree, chain_tree, root_only_tree, spine_counts,
-                                 tree_attention_mask)
+from dflash_train.ddtree import (DraftTree, accept_walk, build_tree, calibration_counts, chain_tree, root_only_tree,
+                                 spine_counts, tree_attention_mask)
 from dflash_train.dspark import MarkovScorer, markov_chain
 from dflash_train.dflash2 import SelectorScorer, selector_chain
 from dflash_train.model import ContextCache, DFlashDrafter
@@ -47,6 +47,8 @@ class DecodeResult:
     # DSpark's confidence head along the chain, per drafted slot: [predicted sum, rounds that
     # reached the slot, rounds that accepted it] (None without a confidence head or off the chain)
     confidence: list[list[float]] | None = None
+    # ddtree.calibration_counts summed over rounds (DDTree only): {(depth, rank): [stated sum, hits, nodes]}
+    calibration: dict = field(default_factory=dict)
 
     @property
     def tau(self) -> float:
@@ -191,6 +193,10 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
         if use_drafter:  # diagnostics: does the best child under each accepted node name the target's next token?
             counts = spine_counts(tree, accepted[1:], [posterior[i] for i in accepted[1:]])
             result.spine = [a + c for a, c in zip(result.spine, counts)]
+            if method == "ddtree":
+                for key, cell in calibration_counts(tree, accepted, posterior).items():
+                    acc = result.calibration.setdefault(key, [0.0, 0, 0])
+                    result.calibration[key] = [a + c for a, c in zip(acc, cell)]
         if confidence is not None:  # slots 1..a accepted, slot a+1 rejected, later ones never reached
             a = len(accepted) - 1
             for k, p in enumerate(torch.sigmoid(confidence.float()).tolist()[: a + 1]):

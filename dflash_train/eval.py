@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from dflash_train import speed
 from dflash_train.checkpoint import check_matches_target, drafter_fingerprint, load_drafter
-from dflash_train.costs import measure_costs
+from dflash_train.costs import measure_costs, widths_for
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, TREE_SCORES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
@@ -42,7 +42,7 @@ from dflash_train.progress import BAR_INTERVAL
 from dflash_train.report import write_report
 from dflash_train.schema import Open, validated
 from dflash_train.suites import DEFAULT_SUITE, Prompt, load_suite
-from dflash_train.target import load_target
+from dflash_train.target import load_target, target_dtype
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Sample:
     context_tokens: int = 0  # sum over decoded tokens of the context they were verified after
     spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode.DecodeResult.spine, summed
     confidence: list[list[float]] | None = None  # decode.DecodeResult.confidence, summed (DSpark chain)
+    calibration: dict = field(default_factory=dict)  # decode.DecodeResult.calibration, summed (DDTree)
 
     @property
     def decode_s(self) -> float:
@@ -105,6 +106,8 @@ def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, 
         r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens, stops, gen,
                    args.tree_scores)
         sample.spine = [a + b for a, b in zip(sample.spine, r.spine)]
+        for key, cell in r.calibration.items():
+            sample.calibration[key] = [a + b for a, b in zip(sample.calibration.get(key, (0.0, 0, 0)), cell)]
         if r.confidence is not None:
             sample.confidence = r.confidence if sample.confidence is None else [
                 [a + b for a, b in zip(x, y)] for x, y in zip(sample.confidence, r.confidence)]
@@ -208,7 +211,30 @@ def spine_summary(samples: list[Sample]) -> dict:
         out["confidence"] = {"predicted": [round(p / n, 4) if n else None for p, n in zip(predicted, reached)],
                              "measured": [round(a / n, 4) if n else None for a, n in zip(accepted, reached)],
                              "reached": [int(n) for n in reached]}
+    cal = calibration_summary(samples)
+    if cal:
+        out["calibration"] = cal
     return out
+
+
+def calibration_summary(samples: list[Sample]) -> dict | None:
+    """The tree's stated probability against the target's verdict (ddtree.calibration_counts,
+    summed over samples), per (depth, rank) cell, and the calibration error: the mean over judged
+    nodes of |stated - hit rate| of their cell (expected calibration error with (depth, rank) as
+    the bins). None for methods without a tree."""
+    cells = {}
+    for x in samples:
+        for key, cell in x.calibration.items():
+            cells[key] = [a + b for a, b in zip(cells.get(key, (0.0, 0, 0)), cell)]
+    if not cells:
+        return None
+    nodes = sum(c[2] for c in cells.values())
+    rows = [{"depth": d, "rank": r, "stated": round(c[0] / c[2], 4), "measured": round(c[1] / c[2], 4), "nodes": c[2]}
+            for (d, r), c in sorted(cells.items())]
+    return {"cells": rows, "nodes": nodes,
+            "ece": round(sum(abs(c[0] - c[1]) for c in cells.values()) / nodes, 4),
+            "stated": round(sum(c[0] for c in cells.values()) / nodes, 4),
+            "measured": round(sum(c[1] for c in cells.values()) / nodes, 4)}
 
 
 def predictions(by_method: dict, methods, n: int, args, draws: tuple, curves: speed.Curves,
@@ -338,7 +364,7 @@ def _nvidia_driver() -> str | None:
 
 
 # A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
-# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024. Beyond 4096 nodes the
+# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes the
 # allocator, not the tree, decides; 256 requests already put a 64-node tree at width 16,640.
 MAX_BUDGET = 4096
 MAX_CONCURRENCY = 256
@@ -452,6 +478,9 @@ def parse_args(argv):
                    help="requests sharing one verify forward, for the predicted speedups")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="target and drafter weights: auto = bf16 on a GPU that has it, else fp32; bf16 on a CPU "
+                        "with AVX-512 BF16 is ~3x faster, and lossless then means equal to the bf16 target's AR")
     p.add_argument("--verify-times", default=None,
                    help="costs JSON from benchmarks/gpu_costs.py: also predict speedups on that device")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -485,7 +514,7 @@ def main(argv=None):
     drafter, meta = load_drafter(args.drafter)
     fingerprint = drafter_fingerprint(drafter)  # of the drafter as stored, before any cast or move
     device = args.device
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = target_dtype(args.target_dtype, device)
     target_id = args.target or meta["target"]["name_or_path"]
     target = load_target(target_id, revision=args.target_revision or (None if args.target else meta["target"]["revision"]),
                          dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
@@ -504,12 +533,15 @@ def main(argv=None):
     # The cost curve at the mean context the AR verify forwards saw.
     ar = [x for x in samples if x.method == "ar"]
     context = max(1, round(sum(x.context_tokens for x in ar) / max(sum(x.decoded for x in ar), 1)))
-    costs = measure_costs(target, drafter, context, args.concurrency, contexts=[c * context for c in args.concurrency])
+    widths, context_widths = widths_for(max(args.concurrency) * max(b + 1 for _, b in methods))
+    costs = measure_costs(target, drafter, context, args.concurrency, widths=widths,
+                          contexts=[c * context for c in args.concurrency], context_widths=context_widths)
     args.scores = scorer_key(drafter.config, args.tree_scores)  # which scored costs --verify-times reads
     report = build_report(args, argv, suites, methods, samples, costs, device_costs, B)
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
-                   "target_layer_ids": drafter.config.target_layer_ids, "hardware": hardware_record(device),
+                   "target_layer_ids": drafter.config.target_layer_ids,
+                   "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch.")},
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
                    "markov_head_type": drafter.config.markov_head_type, "selector_rank": drafter.config.selector_rank,
                    "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores})

@@ -140,7 +140,8 @@ def markdown(report: dict) -> str:
              f"temperature {report['temperature']}, max {report['max_new_tokens']} new tokens per turn, "
              f"{report['repeats']} repeat(s) of the sweep.",
              f"Hardware: {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
-             + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "") + ".", ""]
+             + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "")
+             + (f"; weights in {hw['dtype']}" if hw.get("dtype") else "") + ".", ""]
     extrapolated = False
     for suite, adv in report["advice"].items():
         rows = [r for r in report["results"] if r["suite"] == suite]

@@ -168,3 +168,12 @@ def test_device_costs_count_the_scored_tree_and_the_chain_walk():
     assert host(scorer_key(gated, "marginal"), ("ddtree", 16)) == 0.5
     assert host(scorer_key(plain, "conditional"), ("ddtree", 16)) == 0.5
     assert host(scorer_key(plain, "conditional"), ("dflash", 15)) == 0.0
+
+
+def test_widths_for_times_only_what_predictions_read():
+    from dflash_train.costs import CONTEXT_WIDTHS, VERIFY_WIDTHS, widths_for
+
+    assert widths_for(8) == ([1, 2, 4, 8], [1, 8])          # the chain of a block-8 drafter, one request
+    assert widths_for(65) == ([1, 2, 4, 8, 16, 32, 64, 128], [1, 32, 128])  # DDTree@64
+    assert widths_for(260) == (VERIFY_WIDTHS[:10], [1, 32, 512])           # 4 requests x DDTree@64
+    assert widths_for(16 * 257) == (VERIFY_WIDTHS, CONTEXT_WIDTHS)          # past 1024: the whole grid

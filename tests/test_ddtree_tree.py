@@ -291,3 +291,38 @@ def test_spine_counts():
     chain = ddtree.chain_tree(torch.tensor([4, 5]))
     assert chain.ranks == [0, 0] and chain.best_child == [4, 5, -1]
     assert spine_counts(chain, [1, 2], [5, 9]) == [1, 1, 0, 0]
+
+
+def test_calibration_counts_against_float64():
+    """Every child of an accepted node is judged once: its stated probability is its depth's
+    float64 softmax (a marginal tree), its rank its rank there, a hit when it carries the
+    target's pick under its parent."""
+    torch.manual_seed(3)
+    L, V = 3, 6
+    logits = torch.randn(L, V)
+    tree = build_tree(logits, 12)
+    paths = [()] + node_paths(tree)
+    index = {p: i for i, p in enumerate(paths)}
+    logp64 = torch.log_softmax(logits.double(), dim=-1)
+    rank_of = torch.argsort(torch.argsort(logits, dim=-1, descending=True), dim=-1)  # [L, V] token -> rank
+    # the target picks the rank-1 token under the root, then the argmax child, then a token not in the tree
+    first = paths[tree.children[0][int(torch.argsort(logits[0], descending=True)[1])]]
+    second = first + (int(logits[1].argmax()),)
+    accepted = [0, index[first], index[second]]
+    posterior = [0] * len(paths)
+    posterior[0], posterior[index[first]] = first[0], second[-1]
+    posterior[index[second]] = next(t for t in range(V) if t not in tree.children[index[second]])
+    expected = {}
+    for parent in accepted:
+        for path in paths:
+            if len(path) == len(paths[parent]) + 1 and path[:-1] == paths[parent]:
+                d, tok = len(path), path[-1]
+                cell = expected.setdefault((d, min(int(rank_of[d - 1, tok]), ddtree.RANK_CAP)), [0.0, 0, 0])
+                cell[0] += float(logp64[d - 1, tok].exp())
+                cell[1] += int(tok == posterior[parent])
+                cell[2] += 1
+    got = ddtree.calibration_counts(tree, accepted, posterior)
+    assert set(got) == set(expected) and sum(c[1] for c in got.values()) == 2  # two accepted nodes
+    for key, (p, hits, n) in expected.items():
+        assert got[key][1:] == [hits, n], key
+        assert got[key][0] == pytest.approx(p, rel=1e-5), key

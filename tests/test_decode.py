@@ -147,3 +147,18 @@ def test_causal_block_drafter_is_lossless(tiny_target, drafter, method, budget):
         assert r.tokens == ar.tokens, q
         rounds += r.accept_lengths
     assert max(rounds) > 1  # some drafted tokens were accepted
+
+
+def test_tree_calibration_counts_every_judged_node(tiny_target, drafter):
+    """DDTree's calibration cells: each round the target judges every child of each accepted node,
+    and exactly the accepted nodes below the root are hits, so hits = tokens emitted - rounds; the
+    nodes judged are the children of the accepted nodes. The chain keeps no cells."""
+    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
+    ids = chat_prompt(tiny_target.tokenizer, QUESTIONS[1])
+    r = decode(tiny_target, drafter, ids, "ddtree", 16, max_new_tokens=40, stop_ids=stops)
+    hits = sum(c[1] for c in r.calibration.values())
+    nodes = sum(c[2] for c in r.calibration.values())
+    assert hits == sum(r.accept_lengths) - len(r.accept_lengths) > 0
+    assert nodes > hits and all(0 < c[0] <= c[2] for c in r.calibration.values())  # stated probabilities in (0, 1]
+    assert all(1 <= d <= drafter.config.block_size - 1 for d, _ in r.calibration)
+    assert decode(tiny_target, drafter, ids, "dflash", max_new_tokens=20, stop_ids=stops).calibration == {}

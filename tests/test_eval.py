@@ -66,7 +66,13 @@ def test_report_results(report):
     hw = rep["hardware"]
     assert hw["device_type"] == "cpu" and hw["torch"] and hw["device"]
     costs = rep["costs"]
-    assert list(costs["verify_ms_by_width"]) == [str(2**k) for k in range(11)] and costs["context"] > 0
+    # timed up to the first width covering the widest prediction (4 requests x DDTree@64 = 260): 512
+    assert list(costs["verify_ms_by_width"]) == [str(2**k) for k in range(10)] and costs["context"] > 0
+    for r in rows:  # trees state probabilities the target then judges; the chain and AR have no cells
+        cal = r.get("calibration")
+        assert (cal is not None) == (r["method"] == "ddtree")
+        if cal:
+            assert 0 <= cal["ece"] <= 1 and cal["nodes"] == sum(c["nodes"] for c in cal["cells"]) > 0
     assert list(costs["draft_ms_by_batch"]) == ["1", "4"]
     for suite in ["tinychat", "mt-bench"]:
         adv = rep["advice"][suite]
@@ -246,3 +252,21 @@ def test_cheap_inputs_are_checked_before_any_loading(tmp_path, trained_drafter_d
     code, _, err = run_main(main, ["--drafter", trained_drafter_dir, "--target", tmp_path / "no-target",
                                    "--output", tmp_path / "out"])
     assert code == 2 and "target not found" in err
+
+
+def test_target_dtype_bf16_decodes_and_is_recorded(trained_drafter_dir, tmp_path):
+    """--target-dtype bf16 runs target and drafter in bf16 (the fast CPU path on AVX-512 BF16):
+    the report says so, and at temperature 0 lossless compares with the bf16 target's own AR. The
+    default on a CPU stays fp32 (the numbers tests and checks compare against)."""
+    runs = {}
+    for dtype in ("bf16", "auto"):
+        out = tmp_path / dtype
+        main(["--drafter", str(trained_drafter_dir), "--budgets", "4", "--limit", "2", "--max-new-tokens", "16",
+              "--concurrency", "1", "--target-dtype", dtype, "--output", str(out)])
+        runs[dtype] = json.loads((out / "report.json").read_text())
+    assert runs["bf16"]["hardware"]["dtype"] == "bfloat16"
+    assert runs["auto"]["hardware"]["dtype"] == "float32"
+    assert "weights in bfloat16" in (tmp_path / "bf16" / "report.md").read_text()
+    for rep in runs.values():
+        assert {r["method"] for r in rep["results"]} == {"ar", "dflash", "ddtree"}
+        assert all(r["lossless"] is True for r in rep["results"])

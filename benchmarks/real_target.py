@@ -82,13 +82,13 @@ def select_prompts(sharegpt: Path, tokenizer_dir: Path, out: Path, n: int, max_p
 # --- settings --------------------------------------------------------------------------------------
 # full: the table; quick: the same stages, small, to see it work (< 20 min here).
 MODES = {
-    "full": {"prompts": 800, "max_prompt_tokens": 192, "answer_tokens": 256, "val": 32, "steps": 600,
-             "eval_limit": 8, "eval_tokens": 96, "budgets": "16,64,256", "speed_steps": 8},
-    "quick": {"prompts": 48, "max_prompt_tokens": 128, "answer_tokens": 96, "val": 8, "steps": 40,
-              "eval_limit": 2, "eval_tokens": 32, "budgets": "16,64,256", "speed_steps": 3},
+    "full": {"prompts": 800, "max_prompt_tokens": 192, "answer_tokens": 256, "val": 32, "steps": 300,
+             "eval_limit": 3, "eval_tokens": 64, "budgets": "16,64,256", "speed_steps": 8},
+    "quick": {"prompts": 32, "max_prompt_tokens": 128, "answer_tokens": 64, "val": 4, "steps": 20,
+              "eval_limit": 1, "eval_tokens": 32, "budgets": "16,64", "speed_steps": 2},
 }
 SUITES = ("mtbench", "gsm8k", "humaneval")
-TEMPERATURES = (0.0, 1.0)
+TEMPERATURES = {"full": (0.0, 1.0), "quick": (0.0,)}
 # The variant rows: recipe, and for the objectives' question the DFlash recipe with other losses.
 ROWS = {"dflash": "recipes/smollm2-135m.yaml", "dspark": "recipes/smollm2-135m-dspark.yaml",
         "dflash2": "recipes/smollm2-135m-dflash2.yaml"}
@@ -97,8 +97,8 @@ OBJECTIVES = {"ce-exp": ["loss.position_weight=exp"], "ce-dpace": [], "kl": ["lo
 
 
 class Bench:
-    def __init__(self, cache: Path, mode: str):
-        self.cache, self.mode, self.s = cache, mode, MODES[mode]
+    def __init__(self, cache: Path, mode: str, stages: tuple[str, ...] = ()):
+        self.cache, self.mode, self.s, self.stages = cache, mode, MODES[mode], stages
         self.root = cache if mode == "full" else cache / "quick"
         self.real = cache / "real"
         self.target = self.real / "smollm2-135m-instruct"
@@ -110,15 +110,21 @@ class Bench:
         return json.loads(p.read_text()) if p.is_file() else {}
 
     def timed(self, name: str, fn) -> None:
-        """Run a stage unless it is done; its wall time is kept in timings.json (first completion)."""
+        """Run a stage unless it is done or not asked for (--stages); its wall time is kept in
+        timings.json (first completion; re-read before writing, as two runs may share the folder)."""
+        self.timings |= self._load("timings.json")
         if name in self.timings:
             print(f"[{name}] done ({self.timings[name]:.0f} s)", flush=True)
             return
+        if self.stages and not name.startswith(self.stages):
+            return
         t = time.time()
         fn()
-        self.timings[name] = round(time.time() - t, 1)
+        self.timings = self._load("timings.json") | {name: round(time.time() - t, 1)}
         self.root.mkdir(parents=True, exist_ok=True)
-        (self.root / "timings.json").write_text(json.dumps(self.timings, indent=2) + "\n")
+        part = self.root / f"timings.json.{os.getpid()}.part"
+        part.write_text(json.dumps(self.timings, indent=2) + "\n")
+        part.replace(self.root / "timings.json")
 
     # -- data
     def fetch(self):
@@ -164,10 +170,16 @@ class Bench:
         out = self.root / "eval" / f"{name}-t{temperature:g}"
         if (out / "report.json").is_file():
             return
+        trained = self.root / "runs" / name / "summary.json"
+        while not trained.is_file():  # another invocation (--stages train) is training it
+            if not (self.root / "runs" / name).is_dir():
+                sys.exit(f"cannot evaluate '{name}': it is not trained (run its train stage first)")
+            print(f"[eval-{name}] waiting for its training run", flush=True)
+            time.sleep(60)
         cmd = [str(BIN / "dflash-eval"), "--drafter", str(self.root / "runs" / name / "final"),
                "--budgets", self.s["budgets"], "--temperature", str(temperature),
                "--max-new-tokens", str(self.s["eval_tokens"]), "--limit", str(self.s["eval_limit"]),
-               "--concurrency", "1", "--output", str(out)]
+               "--concurrency", "1", "--target-dtype", "bf16", "--output", str(out)]
         for suite in SUITES:  # the fetched files, by path: the suite is named after the file
             cmd += ["--suite", str(self.real / "prompts" / f"{suite}.jsonl")]
         run(cmd, self.logs / f"eval-{name}.log")
@@ -192,7 +204,7 @@ class Bench:
         for row, recipe in ROWS.items():
             self.timed(f"train-{row}", lambda r=row, p=recipe: self.train(r, p, []))
         for row in ROWS:
-            for t in TEMPERATURES:
+            for t in TEMPERATURES[self.mode]:
                 self.timed(f"eval-{row}-t{t:g}", lambda r=row, t=t: self.evaluate(r, t))
         # bf16 vs fp32 taps: the DFlash row again on a cache computed by the fp32 target
         self.timed("cache-fp32", lambda: self.cache_states("fp32"))
@@ -232,6 +244,9 @@ class Bench:
                     "ddtree_tau": {str(b): r["tau"] for b, r in trees.items()},
                     "off_spine_acc": {str(b): r["off_spine_acc"] for b, r in trees.items()},
                     "on_spine_acc": {str(b): r["on_spine_acc"] for b, r in trees.items()},
+                    "calibration_error": {str(b): (r.get("calibration") or {}).get("ece") for b, r in trees.items()},
+                    "stated_vs_measured": {str(b): [(r.get("calibration") or {}).get("stated"),
+                                                    (r.get("calibration") or {}).get("measured")] for b, r in trees.items()},
                     "lossless": all(r["lossless"] is not False for r in res),
                     "best": {"method": best["method"], "budget": best["budget"], "speedup": best["speedup"],
                              "interval": best["speedup_interval"]},
@@ -257,8 +272,8 @@ class Bench:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| row | suite | T | chain tau | DDTree @16 / @64 / @256 | off-spine @64 | loops | lossless | "
-             "best (speedup, 90% interval) | train s/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | suite | T | chain tau | DDTree @16 / @64 / @256 | off-spine @64 | calibration error @64 | loops | "
+             "lossless | best (speedup, 90% interval) | train s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         trees = " / ".join(f"{r['ddtree_tau'].get(b, float('nan')):.2f}" for b in ("16", "64", "256"))
         best = r["best"]
@@ -266,7 +281,7 @@ def markdown(result: dict) -> str:
         loops = f"{r['loops']['looping']}/{r['loops']['replies']}" if r["loops"]["replies"] is not None else "-"
         interval = best["interval"] or [None, None]
         lines.append(f"| {r['row']} | {r['suite']} | {r['temperature']:g} | {r['chain_tau']:.2f} | {trees} | "
-                     f"{r['off_spine_acc'].get('64')} | {loops} | {r['lossless']} | {label} {best['speedup']} "
+                     f"{r['off_spine_acc'].get('64')} | {r.get('calibration_error', {}).get('64')} | {loops} | {r['lossless']} | {label} {best['speedup']} "
                      f"[{interval[0]}, {interval[1]}] | {r['train_s_per_step']} |")
     return "\n".join(lines)
 
@@ -281,10 +296,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small: every stage, in minutes")
     p.add_argument("--objectives", action="store_true", help="also the DFlash objective rows, two seeds")
+    p.add_argument("--stages", default="",
+                   help="only the stages whose names start with these (comma-separated, e.g. train or eval): "
+                        "two runs, one training and one evaluating, use both cores")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help=f"stage outputs (default {DEFAULT_CACHE})")
     p.add_argument("--output", default=None, help="results JSON (default benchmarks/results/real_target[_quick].json)")
     args = p.parse_args()
-    bench = Bench(Path(args.cache_dir), "quick" if args.quick else "full")
+    stages = tuple(x.strip() for x in args.stages.split(",") if x.strip())
+    bench = Bench(Path(args.cache_dir), "quick" if args.quick else "full", stages)
     bench.all(args.objectives)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "commit": commit, "machine": machine(),

@@ -1,0 +1,37 @@
+"""benchmarks/real_target.py's stage bookkeeping (its stages themselves are the toolkit's own
+commands, tested elsewhere): --stages selects, two invocations sharing a cache folder keep each
+other's stage times, and an eval whose drafter was never trained stops with one line."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("real_target_bench", ROOT / "benchmarks" / "real_target.py")
+bench = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bench)
+
+
+def test_stages_select_and_timings_are_shared(tmp_path):
+    ran = []
+    trainer = bench.Bench(tmp_path, "full", stages=("train",))
+    evaluator = bench.Bench(tmp_path, "full", stages=("eval-dflash-t",))
+    trainer.timed("train-dflash", lambda: ran.append("train-dflash"))
+    evaluator.timed("train-dspark", lambda: ran.append("train-dspark"))  # not the evaluator's stage
+    evaluator.timed("eval-dflash-t0", lambda: ran.append("eval-dflash-t0"))
+    evaluator.timed("eval-dflash-fp32taps-t0", lambda: ran.append("fp32taps"))  # another prefix
+    trainer.timed("train-dspark", lambda: ran.append("train-dspark"))
+    trainer.timed("train-dflash", lambda: ran.append("again"))  # done: skipped
+    assert ran == ["train-dflash", "eval-dflash-t0", "train-dspark"]
+    # each wrote after the other: neither lost the other's entries
+    assert set(json.loads((tmp_path / "timings.json").read_text())) == {"train-dflash", "eval-dflash-t0", "train-dspark"}
+    assert not list(tmp_path.glob("*.part"))
+
+
+def test_eval_of_an_untrained_row_is_one_line(tmp_path):
+    b = bench.Bench(tmp_path, "quick", stages=("eval",))
+    with pytest.raises(SystemExit) as e:
+        b.evaluate("dspark", 0.0)
+    assert "'dspark': it is not trained" in str(e.value)

@@ -36,7 +36,7 @@ demo: install
 # network the fetch fails and those tests skip with a reason.
 test: install
 	-$(PY) tests/fetch_vllm.py
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=10
 
 # vLLM 0.33's Python sources (no install, no CUDA) into .cache/, once.
 vllm-ref: install

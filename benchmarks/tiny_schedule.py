@@ -37,9 +37,11 @@ ROWS = {  # about 102k anchored blocks each (batch x steps x anchors), the tiny 
 BUDGETS = [16, 64]
 
 
-def one(row: str, seed: int, out: Path, env: dict) -> dict:
+def one(row: str, seed: int, out: Path, env: dict, train: bool = True) -> dict | None:
     d = out / f"{row}-s{seed}"
     report = d / "eval" / "report.json"
+    if not report.is_file() and not train:
+        return None
     if not report.is_file():
         d.mkdir(parents=True, exist_ok=True)
         run([sys.executable, "-m", "dflash_train.train", "--recipe", str(RECIPE), f"output_dir={d / 'run'}",
@@ -75,6 +77,7 @@ def main():
     p.add_argument("--rows", nargs="+", choices=list(ROWS), default=list(ROWS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--output", default="runs/tiny_schedule")
+    p.add_argument("--table-only", action="store_true", help="tabulate the runs already done, start none")
     p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "tiny_schedule.json"))
     args = p.parse_args()
     out = Path(args.output)
@@ -82,8 +85,10 @@ def main():
     results = []
     for seed in args.seeds:  # seed-major: a machine-load change lands on every row alike
         for row in args.rows:
-            results.append(one(row, seed, out, env))
-            r = results[-1]
+            r = one(row, seed, out, env, train=not args.table_only)
+            if r is None:
+                continue
+            results.append(r)
             print(f"{row} s{seed}: {r['train_s']:.0f}s, tau chain {r['tau_chain']:.3f}, DDTree@64 "
                   f"{r['tau_ddtree_64']:.3f} (lossless {r['lossless']})", flush=True)
     md = table(results)

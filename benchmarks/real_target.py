@@ -250,7 +250,9 @@ class Bench:
                     "calibration_error": {str(b): (r.get("calibration") or {}).get("ece") for b, r in trees.items()},
                     "stated_vs_measured": {str(b): [(r.get("calibration") or {}).get("stated"),
                                                     (r.get("calibration") or {}).get("measured")] for b, r in trees.items()},
-                    "lossless": all(r["lossless"] is not False for r in res),
+                    # exact at temperature 0 (equal to plain decoding); at T > 0 not an equality (None)
+                    "lossless": all(r["lossless"] is True for r in res) if report["temperature"] == 0 else None,
+                    "dtype": report["hardware"].get("dtype"),
                     "best": {"method": best["method"], "budget": best["budget"], "speedup": best["speedup"],
                              "interval": best["speedup_interval"]},
                     "speedup": {f"{r['method']}@{r['budget']}": [r["speedup"], r["speedup_interval"]] for r in tried},
@@ -275,7 +277,7 @@ class Bench:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| row | suite | T | chain tau | DDTree @16 / @64 / @256 | off-spine @64 | calibration error @64 | loops | "
+    lines = ["| row | suite | T (dtype) | chain tau | DDTree @16 / @64 / @256 | off-spine @64 | calibration error @64 | loops | "
              "lossless | best (speedup, 90% interval) | train s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         trees = " / ".join(f"{r['ddtree_tau'].get(b, float('nan')):.2f}" for b in ("16", "64", "256"))
@@ -283,8 +285,9 @@ def markdown(result: dict) -> str:
         label = "chain" if best["method"] == "dflash" else f"@{best['budget']}" if best["method"] == "ddtree" else "AR"
         loops = f"{r['loops']['looping']}/{r['loops']['replies']}" if r["loops"]["replies"] is not None else "-"
         interval = best["interval"] or [None, None]
-        lines.append(f"| {r['row']} | {r['suite']} | {r['temperature']:g} | {r['chain_tau']:.2f} | {trees} | "
-                     f"{r['off_spine_acc'].get('64')} | {r.get('calibration_error', {}).get('64')} | {loops} | {r['lossless']} | {label} {best['speedup']} "
+        lossless = "n/a (T>0)" if r["lossless"] is None else r["lossless"]
+        lines.append(f"| {r['row']} | {r['suite']} | {r['temperature']:g} ({r.get('dtype')}) | {r['chain_tau']:.2f} | {trees} | "
+                     f"{r['off_spine_acc'].get('64')} | {r.get('calibration_error', {}).get('64')} | {loops} | {lossless} | {label} {best['speedup']} "
                      f"[{interval[0]}, {interval[1]}] | {r['train_s_per_step']} |")
     return "\n".join(lines)
 

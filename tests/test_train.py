@@ -231,7 +231,11 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(tmp_path, smal
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def run_until(step: int):
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Ctrl-C at a terminal: SIGINT at its default in the child, even when this test suite itself
+        # runs as a background job (`make test &`), which starts with SIGINT ignored (kept ignored:
+        # test_an_ignored_sigint_stays_ignored)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 300
         while not (out / "metrics.jsonl").is_file() or max([0] + [r["step"] for r in read_metrics(out)]) < step:
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]

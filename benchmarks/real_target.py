@@ -92,6 +92,11 @@ TEMPERATURES = {"full": (0.0, 1.0), "quick": (0.0,)}
 # The variant rows: recipe, and for the objectives' question the DFlash recipe with other losses.
 ROWS = {"dflash": "recipes/smollm2-135m.yaml", "dspark": "recipes/smollm2-135m-dspark.yaml",
         "dflash2": "recipes/smollm2-135m-dflash2.yaml"}
+# Drafters trained for the tree they are decoded with (dflash_train/tree_distill.py): a variant row plus
+# one tree-native change, at the same steps. Tree distillation: 4 blocks a step, each its own
+# 32-node tree labelled by one extra target forward; weight 1 (a node's KL is on the scale of a slot's CE).
+TREE_ROWS = {"dspark-treedistill": ("dspark", ["tree_distill.weight=1.0", "tree_distill.anchors=4",
+                                               "tree_distill.budget=32"])}
 OBJECTIVES = {"ce-exp": ["loss.position_weight=exp"], "ce-dpace": [], "kl": ["loss.terms={kl: 1.0}"],
               "lk-hybrid": ["loss.terms={lk_hybrid: 1.0}"]}
 
@@ -198,7 +203,7 @@ class Bench:
                            extra + ["checkpoint_every=0", "eval.max_samples=1", "eval.ddtree_budgets=[16]"],
                            steps=n, cache=cache)
 
-    def all(self, objectives: bool):
+    def all(self, objectives: bool, tree: bool = False):
         self.timed("fetch", self.fetch)
         self.timed("select", self.select)
         self.timed("prepare", self.prepare)
@@ -213,6 +218,11 @@ class Bench:
         self.timed("cache-fp32", lambda: self.cache_states("fp32"))
         self.timed("train-dflash-fp32taps", lambda: self.train("dflash-fp32taps", ROWS["dflash"], [], cache="fp32"))
         self.timed("eval-dflash-fp32taps-t0", lambda: self.evaluate("dflash-fp32taps", 0.0))
+        if tree:
+            for name, (base, extra) in TREE_ROWS.items():
+                self.timed(f"train-{name}", lambda n=name, b=base, e=extra: self.train(n, ROWS[b], e))
+                for t in TEMPERATURES[self.mode]:
+                    self.timed(f"eval-{name}-t{t:g}", lambda n=name, t=t: self.evaluate(n, t))
         if objectives:
             for obj, extra in OBJECTIVES.items():
                 for seed in (0, 1):
@@ -302,6 +312,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small: every stage, in minutes")
     p.add_argument("--objectives", action="store_true", help="also the DFlash objective rows, two seeds")
+    p.add_argument("--tree", action="store_true",
+                   help="also the tree-trained rows (TREE_ROWS); their table -> benchmarks/results/tree_native.json")
     p.add_argument("--stages", default="",
                    help="only the stages whose names start with these (comma-separated, e.g. train or eval): "
                         "two runs, one training and one evaluating, use both cores")
@@ -310,12 +322,15 @@ def main() -> int:
     args = p.parse_args()
     stages = tuple(x.strip() for x in args.stages.split(",") if x.strip())
     bench = Bench(Path(args.cache_dir), "quick" if args.quick else "full", stages)
-    bench.all(args.objectives)
+    bench.all(args.objectives, args.tree)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "commit": commit, "machine": machine(),
               "mode": bench.mode, "settings": bench.s} | bench.table()
     out = Path(args.output or ROOT / "benchmarks" / "results" / f"real_target{'_quick' if args.quick else ''}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
+    if args.tree and not args.output:  # the tree question's table: the variant rows and the tree-trained ones
+        tree = result | {"rows": [r for r in result["rows"] if r["row"] in {*ROWS, *TREE_ROWS}]}
+        (out.parent / f"tree_native{'_quick' if args.quick else ''}.json").write_text(json.dumps(tree, indent=2) + "\n")
     print(markdown(result))
     print(f"train tokens/s: {result['train_tokens_per_s']}")
     print(f"-> {out}")

@@ -127,6 +127,16 @@ class EvalConfig(Section):
     ddtree_max_blocks: int = Field(2000, ge=1)  # blocks scored with trees per validation, per process (CPU heap work)
 
 
+class TreeDistillConfig(Section):
+    # Tree distillation (dflash_train/tree_distill.py): every `every` steps, the drafter's own
+    # tree of `budget` nodes for up to `anchors` blocks of one sequence, labelled by one target
+    # forward over them; KL toward the target at every node, weighted by `weight` (0: off).
+    weight: float = Field(0.0, ge=0)
+    anchors: int = Field(2, ge=1)
+    budget: int = Field(16, ge=1)
+    every: int = Field(1, ge=1)
+
+
 class WandbConfig(Section):
     enabled: bool = False
     project: str = "dflash-train"
@@ -146,7 +156,16 @@ class RunConfig(Section):
     loss: LossConfig = LossConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
+    tree_distill: TreeDistillConfig = TreeDistillConfig()
     wandb: WandbConfig = WandbConfig()
+
+    @model_validator(mode="after")
+    def _tree_distill_has_a_head(self):
+        m = self.model
+        if self.tree_distill.weight > 0 and not (m.variant == "dflash2" or (m.variant == "dspark" and m.markov_rank > 0)):
+            raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank > 0, "
+                             f"or dflash2); model.variant={m.variant} has none")
+        return self
 
 
 def _format_error(e: ValidationError) -> str:
@@ -154,8 +173,9 @@ def _format_error(e: ValidationError) -> str:
     key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
         return f"'{key}' was replaced by {REPLACED_KEYS[key]}" if key in REPLACED_KEYS else f"unknown key '{key}'"
-    where = f"'{key}': " if key else ""
-    return f"{where}{err['msg']} (got {err['input']!r})"
+    if not key:  # a check across sections (RunConfig's validators): the whole recipe is no help
+        return err["msg"].removeprefix("Value error, ")
+    return f"'{key}': {err['msg']} (got {err['input']!r})"
 
 
 def _has_glued_key(value) -> bool:

@@ -64,6 +64,7 @@ from dflash_train.outputs import (KINDS, MARKER, check_folder_path, is_empty, ma
                                   refuse_overlap, resolve_input, sibling, write_marker)
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target, native_bf16
+from dflash_train.tree_distill import pick_blocks, tree_distillation_loss
 
 DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
@@ -207,8 +208,22 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) ->
 
 
 def term_names(cfg: RunConfig) -> list[str]:
-    """The reported loss terms: the recipe's, then DFlash2's selector CE."""
+    """The reported loss terms: the recipe's, then DFlash2's selector CE (a training step's record
+    adds tree distillation's KL as "tree")."""
     return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+
+
+def distilled_trees(run, model, batch, anchors, o: BlockOutputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree distillation on one sequence of the micro-batch (tree_distill.py) -> (mean KL over the
+    trees' nodes, with grad; summable [nodes, agreeing argmaxes])."""
+    tcfg = run.cfg.tree_distill
+    row, blocks = pick_blocks(o.valid, tcfg.anchors, step)
+    if row < 0:
+        return torch.zeros((), device=o.draft_hidden.device), torch.zeros(2, dtype=torch.float64)
+    length = int(batch.attention_mask[row].sum())  # right-padded
+    kl, c = tree_distillation_loss(model, run.target, batch.input_ids[row, :length], o.block_hidden[row, blocks],
+                                   anchors[row, blocks].tolist(), tcfg.budget, cpu_tree_scorer(model))
+    return kl, torch.tensor([c["nodes"], c["agree"]], dtype=torch.float64)
 
 
 def check_heads_engine(variant: str, engine: str, accelerator) -> None:
@@ -361,6 +376,8 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 
 def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> None:
     now, before = _flat(cfg.model_dump(mode="json")), _flat(saved)
+    # a section added after the run was saved (tree_distill) reads as its defaults: an older run resumes
+    before |= {k: v for k, v in _flat(RunConfig().model_dump(mode="json")).items() if k.split(".")[0] not in saved}
 
     def same(k: str) -> bool:
         if k in PATH_KEYS and isinstance(now[k], str) and isinstance(before.get(k), str):
@@ -619,12 +636,20 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
     # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
     normalizer = (w_total / accelerator.num_processes).float()
 
-    loss_sum, step_tokens, terms, counts = 0.0, 0, 0.0, None
+    loss_sum, step_tokens, terms, counts, tree_counts = 0.0, 0, 0.0, None, torch.zeros(2, dtype=torch.float64)
+    distil = cfg.tree_distill.weight > 0 and step % cfg.tree_distill.every == 0
     for i, (batch, anchors, anchor_valid) in enumerate(micro):
         with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
             o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, B, run.mask_id,
                                 run.cache)
-            loss, m = training_loss(o, run.target, accelerator.unwrap_model(drafter), cfg, normalizer)
+            model = accelerator.unwrap_model(drafter)
+            loss, m = training_loss(o, run.target, model, cfg, normalizer)
+            if cfg.tree_distill.weight > 0:  # its term: this step's KL on the first micro-batch, else 0
+                kl = torch.zeros((), device=loss.device)
+                if distil and i == 0:
+                    kl, tree_counts = distilled_trees(run, model, batch, anchors, o, step)
+                    loss = loss + cfg.tree_distill.weight * kl
+                m["terms"] = torch.cat([m["terms"], kl.detach().reshape(1).to(m["terms"].dtype)])
             accelerator.backward(loss)
         loss_sum += loss.item()
         terms = terms + m["terms"].double().cpu()
@@ -633,13 +658,14 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
         step_tokens += int(batch.attention_mask.sum())
     # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
     # The stop request rides along, so every process stops after the same step.
-    stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms,
+    stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms, tree_counts,
                        torch.tensor([float(stop.requested)], dtype=torch.float64)])
     stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
-    stop_after_step, stats = stats[-1].item() > 0, stats[:-1]
+    stop_after_step, (tree_nodes, tree_agree), stats = stats[-1].item() > 0, stats[-3:-1].tolist(), stats[:-3]
     loss_sum, run.tokens = stats[0].item() / accelerator.num_processes, run.tokens + int(stats[1])
     counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
-    terms = {name: round(v, 6) for name, v in zip(term_names(cfg), terms.tolist())}
+    names = term_names(cfg) + ["tree"] * (cfg.tree_distill.weight > 0)
+    terms = {name: round(v, 6) for name, v in zip(names, terms.tolist())}
     grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
     if run.engine != "deepspeed":  # DeepSpeed reports its norm after its step
         grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
@@ -659,6 +685,8 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
               "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
               "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": run.tokens,
               "train_tokens_per_s": round(run.tokens / run.train_time, 1)}
+    if tree_nodes:  # tree distillation: the share of its nodes where the drafter's argmax is the target's
+        record["tree_agree"] = round(tree_agree / tree_nodes, 4)
     return record, live, (epoch, in_epoch), stop_after_step
 
 

@@ -167,6 +167,20 @@ def save_drafter(out: Path, drafter: DFlashDrafter, target: Target, recipe_yaml:
     write_atomically(out, lambda tmp: write_drafter(tmp, drafter, target, recipe_yaml, state), "drafter")
 
 
+def trained_for(folder: Path) -> dict:
+    """What a drafter folder's training recipe (ours: recipe.yaml; an export: training_recipe.yaml)
+    says it was trained for: {"deploy_budget": int or None, "tree_distill": its section or None}."""
+    import yaml
+
+    for name in ("recipe.yaml", "training_recipe.yaml"):
+        if (folder / name).is_file():
+            r = yaml.safe_load((folder / name).read_text()) or {}
+            td = r.get("tree_distill") or {}
+            return {"deploy_budget": (r.get("eval") or {}).get("deploy_budget"),
+                    "tree_distill": td if td.get("weight") else None}
+    return {"deploy_budget": None, "tree_distill": None}
+
+
 def resolve_folder(path_or_id: str | Path) -> Path:
     """A local folder, or a Hub id fetched (safetensors and json only) into the Hub cache."""
     source = model_source(str(path_or_id), "drafter")

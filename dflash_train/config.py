@@ -125,6 +125,17 @@ class EvalConfig(Section):
     # distributions, walked along the target's tokens), to pick checkpoints per deployed budget.
     ddtree_budgets: list[Annotated[int, Field(ge=0)]] = [16, 64]
     ddtree_max_blocks: int = Field(2000, ge=1)  # blocks scored with trees per validation, per process (CPU heap work)
+    # The tree budget the drafter is deployed with (one of ddtree_budgets): the run names the saved
+    # checkpoint (or final/) with the best held-out DDTree tau there (summary.json "chosen"), and
+    # the model card and dflash-eval say which budget it was trained and chosen for. null: the chain.
+    deploy_budget: int | None = Field(None, ge=1)
+
+    @model_validator(mode="after")
+    def _deploy_budget_is_validated(self):
+        if self.deploy_budget is not None and self.deploy_budget not in self.ddtree_budgets:
+            raise ValueError(f"eval.deploy_budget {self.deploy_budget} is not among eval.ddtree_budgets "
+                             f"{self.ddtree_budgets}: validation must measure it")
+        return self
 
 
 class TreeDistillConfig(Section):

@@ -31,7 +31,7 @@ from pydantic import Field
 from tqdm.auto import tqdm
 
 from dflash_train import speed
-from dflash_train.checkpoint import check_matches_target, drafter_fingerprint, load_drafter
+from dflash_train.checkpoint import check_matches_target, drafter_fingerprint, load_drafter, resolve_folder, trained_for
 from dflash_train.costs import measure_costs, widths_for
 from dflash_train.data import stop_token_ids
 from dflash_train.decode import STAGES, TREE_SCORES, decode
@@ -528,7 +528,8 @@ def main(argv=None):
                    "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch.")},
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
                    "markov_head_type": drafter.config.markov_head_type, "selector_rank": drafter.config.selector_rank,
-                   "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores})
+                   "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores,
+                   "trained_for": trained_for(resolve_folder(args.drafter))})
     write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())
 

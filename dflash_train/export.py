@@ -186,11 +186,45 @@ def budget_section(reports: list[dict]) -> str:
             + "\n".join(lines))
 
 
-def training_section(recipe_text: str | None, fmt: str) -> str:
+def run_choice(folder: Path) -> dict | None:
+    """The training run's checkpoint choice (summary.json "chosen", train.choose_checkpoint) for a
+    drafter folder inside a run (final/ or checkpoints/step_N/), with "this": whether it is this
+    folder; None elsewhere."""
+    for run in (folder.parent, folder.parent.parent):
+        summary = run / "summary.json"
+        if summary.is_file():
+            chosen = json.loads(summary.read_text()).get("chosen")
+            if chosen:
+                return chosen | {"this": (run / chosen["folder"]).resolve() == folder.resolve()}
+    return None
+
+
+def choice_text(r: dict, choice: dict | None) -> str:
+    """The budget the drafter was trained and chosen for, and its tree distillation, for the card."""
+    lines = []
+    td = r.get("tree_distill") or {}
+    if td.get("weight"):
+        lines.append(f"Trained for its tree: every {td['every']} step(s), {td['anchors']} blocks' own {td['budget']}-node "
+                     f"trees were labelled by one verifier forward (ancestor-only mask) and the conditional head's "
+                     f"scores at every node pulled toward the verifier's (KL, weight {td['weight']}).")
+    budget = (r.get("eval") or {}).get("deploy_budget")
+    if choice is not None:
+        what = f"DDTree budget **{choice['budget']}**" if choice["budget"] else "the chain"
+        scores = ", ".join(f"step {s}: {v:.2f}" for s, v in choice["validated"].items())
+        lines.append(f"Chosen for {what} by held-out teacher-forced "
+                     f"{'tree tau' if choice['budget'] else 'chain EAL'} ({scores}): "
+                     + ("this is the best of the validated drafters." if choice["this"] else
+                        f"this checkpoint is not the best; step {choice['step']} (`{choice['folder']}`) is."))
+    elif budget:
+        lines.append(f"Trained for DDTree budget **{budget}** (eval.deploy_budget).")
+    return "\n".join(lines)
+
+
+def training_section(recipe_text: str | None, fmt: str, choice: dict | None = None) -> str:
     if recipe_text is None:
         return f"Training recipe not recorded (this drafter was imported from a {fmt} checkpoint)."
     r = yaml.safe_load(recipe_text)
-    m, d, t, loss = r["model"], r["data"], r["train"], r["loss"]
+    m, d, t, loss, chosen = r["model"], r["data"], r["train"], r["loss"], choice_text(r, choice)
     return "\n".join([
         f"Trained with dflash-train against `{m['target']}` for **{r['max_steps']} steps** "
         f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
@@ -202,12 +236,14 @@ def training_section(recipe_text: str | None, fmt: str) -> str:
         + (f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
            if m.get("variant") == "dflash2" else "."),
         f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
+        *(["", chosen] if chosen else []),
         "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml", recipe_text.strip(),
         "```", "", "</details>"])
 
 
 def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
-               reports: list[dict], source_format: str, serve_ref: str, license_id: str) -> ModelCard:
+               reports: list[dict], source_format: str, serve_ref: str, license_id: str,
+               choice: dict | None = None) -> ModelCard:
     hub_verifier = pin["name_or_path"] if HUB_ID.match(pin["name_or_path"] or "") and not Path(
         pin["name_or_path"]).exists() else None
     datasets = []
@@ -262,7 +298,7 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
         block_size=cfg.block_size, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
         taps=cfg.target_layer_ids, aux_ids=[k + 1 for k in cfg.target_layer_ids], mask_token=f"`{mask_token}`",
-        mask_token_id=cfg.mask_token_id, params=f"{params:,}", training=training_section(recipe_text, source_format),
+        mask_token_id=cfg.mask_token_id, params=f"{params:,}", training=training_section(recipe_text, source_format, choice),
         acceptance=acceptance_section(reports), validated_on=validated_on_section(reports),
         vllm_command=vllm, budget_text=budget_section(reports), extra_limitations=extra)
 
@@ -367,7 +403,7 @@ def main(argv=None):
     recipe_file = folder / "recipe.yaml"
     recipe_text = recipe_file.read_text() if recipe_file.is_file() else None
     card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
-                      meta["format"], args.push_to_hub or str(out), args.license)
+                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder))
 
     write_atomically(out, lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
                                                    recipe_text, reports), "export")

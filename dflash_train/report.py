@@ -142,6 +142,13 @@ def markdown(report: dict) -> str:
              f"Hardware: {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
              + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "")
              + (f"; weights in {hw['dtype']}" if hw.get("dtype") else "") + ".", ""]
+    trained = report.get("trained_for") or {}
+    if trained.get("deploy_budget") or trained.get("tree_distill"):
+        td = trained.get("tree_distill")
+        lines[-1:-1] = ["Drafter trained" + (f" and chosen for DDTree budget {trained['deploy_budget']}"
+                                             if trained.get("deploy_budget") else "")
+                        + (f", tree-distilled ({td['anchors']} blocks' {td['budget']}-node trees every {td['every']} "
+                           f"step(s), weight {td['weight']})" if td else "") + "."]
     extrapolated = False
     for suite, adv in report["advice"].items():
         rows = [r for r in report["results"] if r["suite"] == suite]

@@ -719,6 +719,7 @@ def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
                "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
                "target": cfg.model.target, "target_layer_ids": run.layer_ids, "block_size": run.B,
                "hidden_states": "cache" if run.cache else "online", "eval": val,
+               "chosen": choose_checkpoint(out, cfg),
                # this process's peak (all processes hold the same shapes under DDP; a shard under FSDP/ZeRO)
                "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
                if accelerator.device.type == "cuda" else None}
@@ -728,6 +729,27 @@ def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
     print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
           f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
           f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
+    c = summary["chosen"]
+    if c["folder"] != "final":
+        what = f"DDTree@{c['budget']}" if c["budget"] else "the chain"
+        print(f"for {what}, the best validated drafter is {out / c['folder']} (step {c['step']}: {c['value']:.2f})")
+
+
+def choose_checkpoint(out: Path, cfg: RunConfig) -> dict:
+    """Of the saved drafters that were validated (checkpoints/step_N/ still on disk, and final/),
+    the one with the best held-out DDTree tau at eval.deploy_budget (the chain's EAL without one;
+    ties: the later step). Read from metrics.jsonl, so validations before a resume count too."""
+    key = "val_eal" if cfg.eval.deploy_budget is None else "val_ddtree_tau"
+    scores = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        folder = "final" if r["step"] == cfg.max_steps else f"checkpoints/step_{r['step']:06d}"
+        if key in r and (folder == "final" or (out / folder).is_dir()):
+            scores[r["step"]] = r[key] if cfg.eval.deploy_budget is None else r[key][str(cfg.eval.deploy_budget)]
+    step = max(scores, key=lambda s: (scores[s], s))
+    return {"budget": cfg.eval.deploy_budget, "metric": "ddtree_tau" if cfg.eval.deploy_budget else "chain_eal",
+            "step": step, "folder": "final" if step == cfg.max_steps else f"checkpoints/step_{step:06d}",
+            "value": scores[step], "validated": {str(s): v for s, v in sorted(scores.items())}}
 
 
 def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,

@@ -142,21 +142,48 @@ def test_a_few_steps_move_the_drafter_toward_the_target_at_the_nodes(tiny_target
     assert counts["agree"] / counts["nodes"] > first[1]
 
 
-def test_training_with_tree_distillation_reports_it_and_checks_its_section(tmp_path, small_data):
+def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_path, small_data):
+    """Train (tree-distilled, chosen for budget 8), then the card and dflash-eval say what it was trained for."""
     from dflash_train.errors import UserError
+    from dflash_train.eval import main as eval_main
+    from dflash_train.export import main as export_main
     from dflash_train.train import main as train_main
 
     out = tmp_path / "run"
     train_main([f"output_dir={out}", "max_steps=4", "model.variant=dspark", "model.markov_rank=16",
                 f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=4", "eval.max_samples=4", "eval.ddtree_budgets=[8]", "checkpoint_every=0",
-                "tree_distill.weight=1.0", "tree_distill.budget=8", "tree_distill.every=2", "log_every=1"])
-    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
-    steps = [r for r in steps if "loss" in r]
+                "train.batch_size=4", "eval.max_samples=4", "eval.ddtree_budgets=[4, 8]", "eval.deploy_budget=8",
+                "eval.every=1", "checkpoint_every=1", "tree_distill.weight=1.0", "tree_distill.budget=8",
+                "tree_distill.every=2", "log_every=1"])
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:  # every 2nd step distils (step counts from 1 in the records)
         distilled = r["step"] % 2 == 0
         assert (r["terms"]["tree"] > 0) == distilled and ("tree_agree" in r) == distilled
+    # the choice: the validated drafter with the best held-out tree tau at the deploy budget (later on ties)
+    import shutil
+    shutil.rmtree(out / "checkpoints" / "step_000001")  # a checkpoint no longer on disk cannot be chosen
+    from dflash_train.config import load_recipe as recipe
+    from dflash_train.train import choose_checkpoint
+    chosen = choose_checkpoint(out, recipe(str(out / "final" / "recipe.yaml")))
+    taus = {r["step"]: r["val_ddtree_tau"]["8"] for r in steps if r["step"] > 1}
+    best = max(taus, key=lambda s: (taus[s], s))
+    assert chosen["step"] == best and chosen["budget"] == 8 and chosen["value"] == taus[best]
+    assert set(chosen["validated"]) == {"2", "3", "4"}
+    summary = json.loads((out / "summary.json").read_text())["chosen"]
+    assert summary["budget"] == 8 and set(summary["validated"]) == {"1", "2", "3", "4"}
+
+    export_main(["--format", "speculators", "--checkpoint", str(out / "final"), "--output", str(tmp_path / "spec")])
+    card = (tmp_path / "spec" / "README.md").read_text()
+    assert "Trained for its tree: every 2 step(s), 2 blocks' own 8-node trees" in card
+    assert "Chosen for DDTree budget **8** by held-out teacher-forced tree tau (step 1: " in card
+    eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "1", "--budgets", "8", "--max-new-tokens", "8",
+               "--output", str(tmp_path / "eval")])
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["trained_for"]["deploy_budget"] == 8 and report["trained_for"]["tree_distill"]["budget"] == 8
+    assert "Drafter trained and chosen for DDTree budget 8, tree-distilled" in (tmp_path / "eval" / "report.md").read_text()
+    with pytest.raises(UserError, match="eval.deploy_budget 32 is not among eval.ddtree_budgets"):
+        load_recipe(None, ["eval.deploy_budget=32"])
     with pytest.raises(UserError, match="tree_distill.budget"):
         load_recipe(None, ["tree_distill.budget=0"])
     for variant in (["model.variant=dflash"], ["model.variant=dspark", "model.markov_rank=0"]):

@@ -19,10 +19,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_train.config import ModelConfig
-from dflash_train.errors import UserError, read_json, validated
+from dflash_train.errors import UserError
 from dflash_train.formats import drafter_config_from, read_config
 from dflash_train.model import DFlashDrafter, DrafterConfig
 from dflash_train.outputs import match_umask, model_source, write_atomically
+from dflash_train.schema import read_json, validated
 from dflash_train.target import Target, build_target_layer_ids, check_tap_layers, first_line
 
 FORMAT = "dflash-train"
@@ -307,7 +308,7 @@ def load_checkpoint(folder: Path) -> tuple[dict, dict]:
     except Exception as e:  # torch raises many types for a damaged pickle
         raise UserError(f"checkpoint '{folder}' is damaged ({type(e).__name__}: {first_line(e)}): "
                         "delete it to resume from the one before") from None
-    validated(TrainerState, state, str(folder / "trainer_state.pt"))
+    validated(TrainerState, state, f"'{folder / 'trainer_state.pt'}'")
     if state["step"] != marker.step:
         raise UserError(f"checkpoint '{folder}' is damaged: trainer_state.pt is of step {state['step']}, "
                         f"trainer_state.json of step {marker.step}")

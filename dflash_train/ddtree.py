@@ -198,6 +198,13 @@ def calibration_counts(tree: DraftTree, accepted: list[int], posterior: list[int
     return cells
 
 
+def add_cells(into: dict, cells: dict) -> dict:
+    """Sum calibration cells (calibration_counts' {(depth, rank): [stated, hits, nodes]}) into `into`."""
+    for key, cell in cells.items():
+        into[key] = [a + b for a, b in zip(into.get(key, (0.0, 0, 0)), cell)]
+    return into
+
+
 def tree_attention_mask(tree: DraftTree, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive mask [1, 1, n+1, past+n+1] for verifying [root + nodes] after `past` cached
     tokens: every row sees the whole prefix, and inside the tree only its ancestors and itself."""

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash_train.ddtree import (DraftTree, accept_walk, build_tree, calibration_counts, chain_tree, root_only_tree,
-                                 spine_counts, tree_attention_mask)
+from dflash_train.ddtree import (DraftTree, accept_walk, add_cells, build_tree, calibration_counts, chain_tree,
+                                 root_only_tree, spine_counts, tree_attention_mask)
 from dflash_train.dspark import MarkovScorer, markov_chain
 from dflash_train.dflash2 import SelectorScorer, selector_chain
 from dflash_train.model import ContextCache, DFlashDrafter
@@ -194,9 +194,7 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
             counts = spine_counts(tree, accepted[1:], [posterior[i] for i in accepted[1:]])
             result.spine = [a + c for a, c in zip(result.spine, counts)]
             if method == "ddtree":
-                for key, cell in calibration_counts(tree, accepted, posterior).items():
-                    acc = result.calibration.setdefault(key, [0.0, 0, 0])
-                    result.calibration[key] = [a + c for a, c in zip(acc, cell)]
+                add_cells(result.calibration, calibration_counts(tree, accepted, posterior))
         if confidence is not None:  # slots 1..a accepted, slot a+1 rejected, later ones never reached
             a = len(accepted) - 1
             for k, p in enumerate(torch.sigmoid(confidence.float()).tolist()[: a + 1]):

@@ -49,31 +49,3 @@ class OneLineArgumentParser(argparse.ArgumentParser):
     def error(self, message: str):
         say(f"error: {self.prog}: {message}")
         sys.exit(2)
-
-
-def validated(schema, obj, where: str):
-    """`obj` checked against a pydantic `schema` (-> the model); a violation is one UserError line
-    naming `where` (a file) and the first offending field."""
-    from pydantic import ValidationError
-
-    try:
-        return schema.model_validate(obj)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        got = f" (got {err['input']!r:.60})" if err["type"] != "missing" else ""
-        raise UserError(f"'{where}': field '{field}': {err['msg']}{got}") from None
-
-
-def read_json(path, schema):
-    """A JSON file we wrote (a manifest, a checkpoint's state) -> `schema`'s model; unreadable,
-    truncated or malformed -> one UserError line naming the file (and the field)."""
-    import json
-
-    try:
-        obj = json.loads(path.read_text())
-    except OSError as e:
-        raise UserError(f"cannot read '{path}' ({e.strerror or type(e).__name__})") from None
-    except ValueError as e:  # truncated or not JSON
-        raise UserError(f"'{path}' is not valid JSON ({e}): it is damaged or was not written by dflash-train") from None
-    return validated(schema, obj, str(path))

@@ -34,6 +34,7 @@ from dflash_train import speed
 from dflash_train.checkpoint import check_matches_target, drafter_fingerprint, load_drafter, resolve_folder, trained_for
 from dflash_train.costs import measure_costs, widths_for
 from dflash_train.data import stop_token_ids
+from dflash_train.ddtree import add_cells
 from dflash_train.decode import STAGES, TREE_SCORES, decode
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.loops import find_loop
@@ -106,8 +107,7 @@ def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, 
         r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens, stops, gen,
                    args.tree_scores)
         sample.spine = [a + b for a, b in zip(sample.spine, r.spine)]
-        for key, cell in r.calibration.items():
-            sample.calibration[key] = [a + b for a, b in zip(sample.calibration.get(key, (0.0, 0, 0)), cell)]
+        add_cells(sample.calibration, r.calibration)
         if r.confidence is not None:
             sample.confidence = r.confidence if sample.confidence is None else [
                 [a + b for a, b in zip(x, y)] for x, y in zip(sample.confidence, r.confidence)]
@@ -224,8 +224,7 @@ def calibration_summary(samples: list[Sample]) -> dict | None:
     the bins). None for methods without a tree."""
     cells = {}
     for x in samples:
-        for key, cell in x.calibration.items():
-            cells[key] = [a + b for a, b in zip(cells.get(key, (0.0, 0, 0)), cell)]
+        add_cells(cells, x.calibration)
     if not cells:
         return None
     nodes = sum(c[2] for c in cells.values())

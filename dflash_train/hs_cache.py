@@ -28,9 +28,10 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dflash_train.data import check_data_path, load_conversations
-from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard, read_json
+from dflash_train.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
 from dflash_train.outputs import file_sha256, match_umask, require_free_output, sibling, write_marker
 from dflash_train.progress import BAR_INTERVAL
+from dflash_train.schema import read_json
 from dflash_train.target import (Target, build_target_layer_ids, check_tap_layers, load_target, resolve_pin,
                                  target_dtype, target_forward)
 

@@ -1,6 +1,10 @@
 """Files read from the user go through a pydantic model before use; a violation is one line
 naming the file and the field (a UserError: `error: ...`, exit 2). The models live beside
-their readers (drafter configs in formats.py, eval reports in report.py, suites in suites.py)."""
+their readers (drafter configs in formats.py, eval reports in report.py, suites in suites.py,
+manifests in hs_cache.py, trainer state in checkpoint.py)."""
+
+import json
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -39,3 +43,15 @@ def validated(model: type[BaseModel], data, where: str):
         return model.model_validate(data)
     except ValidationError as e:
         raise UserError(f"{where}: {describe(e)}") from None
+
+
+def read_json(path: Path, model: type[BaseModel]):
+    """A JSON file we wrote (a manifest, a checkpoint's state) -> `model`; unreadable, truncated or
+    malformed -> one UserError line naming the file (and the field)."""
+    try:
+        obj = json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"cannot read '{path}' ({e.strerror or type(e).__name__})") from None
+    except ValueError as e:  # truncated or not JSON
+        raise UserError(f"'{path}' is not valid JSON ({e}): it is damaged or was not written by dflash-train") from None
+    return validated(model, obj, f"'{path}'")

@@ -127,7 +127,7 @@ def resume_state_field(tmp, small_data, cache, finished):
     state = torch.load(pt, weights_only=True)
     del state["epoch"]
     torch.save(state, pt)
-    return train_main, quick(run, small_data, "checkpoint_every=1"), f"'{pt}': field 'epoch': Field required"
+    return train_main, quick(run, small_data, "checkpoint_every=1"), f"'{pt}': field 'epoch' is missing"
 
 
 def resume_marker_field(tmp, small_data, cache, finished):

@@ -35,3 +35,24 @@ def test_eval_of_an_untrained_row_is_one_line(tmp_path):
     with pytest.raises(SystemExit) as e:
         b.evaluate("dspark", 0.0)
     assert "'dspark': it is not trained" in str(e.value)
+
+
+def test_off_path_prompts_are_the_training_prompts_without_val(tmp_path):
+    """--tree's temperature-1 set asks the greedy set's training prompts again: never a val prompt,
+    never one whose row prepare dropped (matched by the chat prompt's token ids)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    target = ROOT / "data" / "tiny-target"
+    tok = AutoTokenizer.from_pretrained(target)
+    convs = [[{"role": "user", "content": q}, {"role": "assistant", "content": f"answer {i}"}]
+             for i, q in enumerate(["What is 2 + 2?", "Hello!", "Sort 3, 1, 2.", "Tell me about Oakgate."])]
+    ids = [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in convs]
+    prepared = tmp_path / "prepared"
+    Dataset.from_dict({"input_ids": [ids[0], ids[2]]}).save_to_disk(str(prepared / "train"))
+    Dataset.from_dict({"input_ids": [ids[1][:-2]]}).save_to_disk(str(prepared / "val"))  # a cut reply still matches
+    (prepared / "regenerated.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))  # 3: dropped
+    info = bench.Bench.t1_prompts(prepared, target, tmp_path / "prompts-t1.jsonl")
+    got = [json.loads(line)["messages"] for line in (tmp_path / "prompts-t1.jsonl").read_text().splitlines()]
+    assert got == [convs[0][:1], convs[2][:1]]
+    assert info == {"rows": 4, "train_prompts": 2, "val_prompts_left_out": 1, "train_rows": 2}

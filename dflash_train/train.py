@@ -68,9 +68,9 @@ from dflash_train.tree_distill import pick_blocks, tree_distillation_loss
 
 DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
-# Recipe keys that may change between a run and its resumption (they do not affect the math; a run
-# folder may be moved or copied).
-RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb"}
+# Recipe keys (or whole sections) that may change between a run and its resumption (they do not
+# affect the math; a run folder may be moved or copied; the deploy budget only names a checkpoint).
+RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb", "eval.deploy_budget"}
 # Recipe keys naming inputs: compared as resolved paths, so data/x and ./data/x/ are the same input.
 PATH_KEYS = {"model.target", "model.init_from", "data.train", "data.val", "data.hidden_state_cache"}
 
@@ -384,7 +384,8 @@ def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> No
             return resolve_input(now[k]) == resolve_input(before[k])
         return now[k] == before.get(k)
 
-    changed = [k for k in now if k.split(".")[0] not in RESUMABLE_CHANGES and not same(k)]
+    resumable = {k for k in now if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES)}
+    changed = [k for k in now if k not in resumable and not same(k)]
     if changed:
         raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); rerun with the same "
                         f"recipe to resume, choose another output_dir, or pass overwrite=true to delete this run "

@@ -181,6 +181,7 @@ def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_pat
                "--output", str(tmp_path / "eval")])
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert report["trained_for"]["deploy_budget"] == 8 and report["trained_for"]["tree_distill"]["budget"] == 8
+    assert all(r["lossless"] is True for r in report["results"])  # chain and path-conditioned tree = plain decoding
     assert "Drafter trained and chosen for DDTree budget 8, tree-distilled" in (tmp_path / "eval" / "report.md").read_text()
     with pytest.raises(UserError, match="eval.deploy_budget 32 is not among eval.ddtree_budgets"):
         load_recipe(None, ["eval.deploy_budget=32"])

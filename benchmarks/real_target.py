@@ -102,8 +102,8 @@ ROWS = {"dflash": "recipes/smollm2-135m.yaml", "dspark": "recipes/smollm2-135m-d
 TREE_DISTILL = ["tree_distill.weight=1.0", "tree_distill.anchors=4", "tree_distill.budget=32"]
 TREE_ROWS = {"dspark-treedistill": ("dspark", TREE_DISTILL, "t0"),
              "dflash2-treedistill": ("dflash2", TREE_DISTILL, "t0"),  # DFlash2: the best variant row (selector tree)
-             "dspark-offpath": ("dspark", [], "t1"),
-             "dspark-offpath-treedistill": ("dspark", TREE_DISTILL, "t1")}
+             "dflash2-offpath": ("dflash2", [], "t1"),
+             "dflash2-offpath-treedistill": ("dflash2", TREE_DISTILL, "t1")}
 OBJECTIVES = {"ce-exp": ["loss.position_weight=exp"], "ce-dpace": [], "kl": ["loss.terms={kl: 1.0}"],
               "lk-hybrid": ["loss.terms={lk_hybrid: 1.0}"]}
 

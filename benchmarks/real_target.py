@@ -322,7 +322,8 @@ class Bench:
                              "interval": best["speedup_interval"]},
                     "speedup": {f"{r['method']}@{r['budget']}": [r["speedup"], r["speedup_interval"]] for r in tried},
                     "loops": loops,
-                    "train_s_per_step": round(summary["wall_s"] / summary["steps"], 2),
+                    # wall time over the steps this process ran (a resumed run did not run the first ones)
+                    "train_s_per_step": round(summary["wall_s"] / (summary["steps"] - summary.get("resumed_from_step", 0)), 2),
                     "train_tokens_per_s": summary.get("train_tokens_per_s"),
                 })
         speed = {}

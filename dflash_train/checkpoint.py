@@ -175,11 +175,14 @@ def trained_for(folder: Path) -> dict:
 
     for name in ("recipe.yaml", "training_recipe.yaml"):
         if (folder / name).is_file():
-            r = yaml.safe_load((folder / name).read_text()) or {}
-            td = r.get("tree_distill") or {}
-            return {"deploy_budget": (r.get("eval") or {}).get("deploy_budget"),
-                    "tree_distill": td if td.get("weight") else None}
-    return {"deploy_budget": None, "tree_distill": None}
+            return recipe_trained_for(yaml.safe_load((folder / name).read_text()) or {})
+    return recipe_trained_for({})
+
+
+def recipe_trained_for(r: dict) -> dict:
+    """trained_for from a recipe already read (a dict)."""
+    td = r.get("tree_distill") or {}
+    return {"deploy_budget": (r.get("eval") or {}).get("deploy_budget"), "tree_distill": td if td.get("weight") else None}
 
 
 def resolve_folder(path_or_id: str | Path) -> Path:

@@ -25,7 +25,8 @@ from huggingface_hub.utils import validate_repo_id
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_train.checkpoint import count_parameters, drafter_fingerprint, load_drafter, mask_token_text, resolve_folder
+from dflash_train.checkpoint import (count_parameters, drafter_fingerprint, load_drafter, mask_token_text, recipe_trained_for,
+                                     resolve_folder)
 from dflash_train.dspark import TREE_CANDIDATES
 from dflash_train.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.formats import NATIVE, SPECULATORS, native_config, speculators_config
@@ -201,13 +202,12 @@ def run_choice(folder: Path) -> dict | None:
 
 def choice_text(r: dict, choice: dict | None) -> str:
     """The budget the drafter was trained and chosen for, and its tree distillation, for the card."""
-    lines = []
-    td = r.get("tree_distill") or {}
-    if td.get("weight"):
+    lines, trained = [], recipe_trained_for(r)
+    td, budget = trained["tree_distill"], trained["deploy_budget"]
+    if td:
         lines.append(f"Trained for its tree: every {td['every']} step(s), {td['anchors']} blocks' own {td['budget']}-node "
                      f"trees were labelled by one verifier forward (ancestor-only mask) and the conditional head's "
                      f"scores at every node pulled toward the verifier's (KL, weight {td['weight']}).")
-    budget = (r.get("eval") or {}).get("deploy_budget")
     if choice is not None:
         what = f"DDTree budget **{choice['budget']}**" if choice["budget"] else "the chain"
         scores = ", ".join(f"step {s}: {v:.2f}" for s, v in choice["validated"].items())

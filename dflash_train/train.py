@@ -741,16 +741,18 @@ def choose_checkpoint(out: Path, cfg: RunConfig) -> dict:
     the one with the best held-out DDTree tau at eval.deploy_budget (the chain's EAL without one;
     ties: the later step). Read from metrics.jsonl, so validations before a resume count too."""
     key = "val_eal" if cfg.eval.deploy_budget is None else "val_ddtree_tau"
+    def folder(step: int) -> str:
+        return "final" if step == cfg.max_steps else f"checkpoints/step_{step:06d}"
+
     scores = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
-        folder = "final" if r["step"] == cfg.max_steps else f"checkpoints/step_{r['step']:06d}"
-        if key in r and (folder == "final" or (out / folder).is_dir()):
+        if key in r and (folder(r["step"]) == "final" or (out / folder(r["step"])).is_dir()):
             scores[r["step"]] = r[key] if cfg.eval.deploy_budget is None else r[key][str(cfg.eval.deploy_budget)]
     step = max(scores, key=lambda s: (scores[s], s))
     return {"budget": cfg.eval.deploy_budget, "metric": "ddtree_tau" if cfg.eval.deploy_budget else "chain_eal",
-            "step": step, "folder": "final" if step == cfg.max_steps else f"checkpoints/step_{step:06d}",
-            "value": scores[step], "validated": {str(s): v for s, v in sorted(scores.items())}}
+            "step": step, "folder": folder(step), "value": scores[step],
+            "validated": {str(s): v for s, v in sorted(scores.items())}}
 
 
 def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,

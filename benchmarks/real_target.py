@@ -103,7 +103,10 @@ TREE_DISTILL = ["tree_distill.weight=1.0", "tree_distill.anchors=4", "tree_disti
 TREE_ROWS = {"dspark-treedistill": ("dspark", TREE_DISTILL, "t0"),
              "dflash2-treedistill": ("dflash2", TREE_DISTILL, "t0"),  # DFlash2: the best variant row (selector tree)
              "dflash2-offpath": ("dflash2", [], "t1"),
-             "dflash2-offpath-treedistill": ("dflash2", TREE_DISTILL, "t1")}
+             "dflash2-offpath-treedistill": ("dflash2", TREE_DISTILL, "t1"),
+             # (3) the previous-token head: DSpark's W1 trained through the target's embedding (markov_embed.py)
+             "dspark-embedw1": ("dspark", ["model.markov_w1_embed=true"], "t0"),
+             "dspark-embedw1-treedistill": ("dspark", ["model.markov_w1_embed=true", *TREE_DISTILL], "t0")}
 OBJECTIVES = {"ce-exp": ["loss.position_weight=exp"], "ce-dpace": [], "kl": ["loss.terms={kl: 1.0}"],
               "lk-hybrid": ["loss.terms={lk_hybrid: 1.0}"]}
 

@@ -291,6 +291,7 @@ class TrainerState(BaseModel):
     scheduler: dict[str, Any]
     optimizer: dict[str, Any] | None  # None under DeepSpeed (its engine keeps its own)
     engine: Literal["single", "ddp", "fsdp", "deepspeed"]
+    markov_embed: dict[str, Any] | None = None  # model.markov_w1_embed: SharedW1's optimizer and schedule
 
 
 def newest_checkpoint(out: Path) -> Path | None:

@@ -54,6 +54,10 @@ class ModelConfig(Section):
     variant: Literal["dflash", "dspark", "dflash2"] = "dflash"
     markov_rank: int = Field(256, ge=0)  # r of the bias W2(W1[x]); 0 = no Markov head (the backbone's logits)
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # vLLM 0.33 serves vanilla only
+    # Train W1 as table + (target embedding) x P, folded into the table each step, so tokens rarely seen
+    # as predecessors (a tree's siblings) learn from tokens like them; served as the plain table
+    # (dflash_train/markov_embed.py). Single process or DDP.
+    markov_w1_embed: bool = False
     confidence_head: bool = True  # predict each slot's acceptance rate (trained with loss.confidence_weight)
     conv_kernel_size: int = Field(2, ge=1)  # dflash2: taps of each convolution (slot s reads s-k+1..s)
     conv_group_size: int = Field(16, ge=1)  # dflash2: hidden channels sharing one dynamic kernel
@@ -171,8 +175,11 @@ class RunConfig(Section):
     wandb: WandbConfig = WandbConfig()
 
     @model_validator(mode="after")
-    def _tree_distill_has_a_head(self):
+    def _conditional_head_options_have_a_head(self):
         m = self.model
+        if m.markov_w1_embed and not (m.variant == "dspark" and m.markov_rank > 0):
+            raise ValueError("model.markov_w1_embed trains DSpark's Markov W1 (model.variant=dspark with markov_rank "
+                             f"> 0); model.variant={m.variant} with markov_rank {m.markov_rank} has none")
         if self.tree_distill.weight > 0 and not (m.variant == "dflash2" or (m.variant == "dspark" and m.markov_rank > 0)):
             raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank > 0, "
                              f"or dflash2); model.variant={m.variant} has none")

@@ -64,6 +64,7 @@ from dflash_train.outputs import (KINDS, MARKER, check_folder_path, is_empty, ma
                                   refuse_overlap, resolve_input, sibling, write_marker)
 from dflash_train.progress import BAR_INTERVAL
 from dflash_train.target import load_target, native_bf16
+from dflash_train.markov_embed import SharedW1
 from dflash_train.tree_distill import pick_blocks, tree_distillation_loss
 
 DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
@@ -449,6 +450,7 @@ class Run:
     layer_ids: list[int]
     B: int  # block size
     mask_id: int
+    shared_w1: SharedW1 | None = None  # model.markov_w1_embed: W1's embedding path (markov_embed.py)
     start_step: int = 0  # the resumed checkpoint's step
     tokens: int = 0  # training tokens so far (all processes)
     train_time: float = 0.0  # seconds in optimizer steps so far
@@ -484,7 +486,8 @@ def train(cfg: RunConfig) -> None:
                                      run.drafter, run.raw_opt, run.target, cfg,
                                      {"step": step, "scheduler": run.sched.state_dict(), "epoch": epoch,
                                       "batches_in_epoch": in_epoch, "tokens": run.tokens,
-                                      "train_time": run.train_time})
+                                      "train_time": run.train_time,
+                                      "markov_embed": run.shared_w1.state_dict() if run.shared_w1 else None})
         if stop_after_step:
             stop.restore()
             raise KeyboardInterrupt
@@ -531,8 +534,8 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     train_dl, sampler, val_ds, collate_fn, cache = setup_data(cfg, target, layer_ids, accelerator)
-    drafter, opt, raw_opt, sched, train_dl, position = setup_optimization(cfg, accelerator, engine, drafter, train_dl,
-                                                                          resume)
+    drafter, opt, raw_opt, sched, shared_w1, train_dl, position = setup_optimization(cfg, accelerator, engine, drafter,
+                                                                                     target, train_dl, resume)
     start_step, epoch, skip, tokens, train_time = position
     open_output_dir(out, plan, accelerator)  # everything is loaded and checked: only now is output_dir touched
     if cfg.wandb.enabled:
@@ -549,7 +552,7 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
                drafter=drafter, opt=opt, raw_opt=raw_opt, sched=sched,
                batches=train_batches(train_dl, sampler, accelerator, epoch, skip),
                val_ds=val_ds, collate_fn=collate_fn, cache=cache, layer_ids=layer_ids, B=B, mask_id=mask_id,
-               start_step=start_step, tokens=tokens, train_time=train_time, resume=resume)
+               shared_w1=shared_w1, start_step=start_step, tokens=tokens, train_time=train_time, resume=resume)
 
 
 def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):
@@ -572,10 +575,10 @@ def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):
     return train_dl, sampler, val_ds, collate_fn, cache
 
 
-def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, train_dl, resume: Path | None):
+def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, target, train_dl, resume: Path | None):
     """Distribution, AdamW and the cosine schedule (stepped once per optimizer step, on every
-    process), restored from `resume` -> (drafter, opt, torch optimizer, schedule, train loader,
-    (step, epoch, batches consumed in it, tokens, train time) to continue from)."""
+    process), restored from `resume` -> (drafter, opt, torch optimizer, schedule, SharedW1 or None,
+    train loader, (step, epoch, batches consumed in it, tokens, train time) to continue from)."""
     start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
     if resume:  # full weights go in before any sharding; the optimizer state after it
         weights, state = load_checkpoint(resume)
@@ -602,7 +605,16 @@ def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, train_
             accelerator.load_state(str(resume / DEEPSPEED_STATE))
         else:
             load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
-    return drafter, opt, raw_opt, sched, train_dl, (start_step, epoch, skip, tokens, train_time)
+    shared_w1 = None
+    if cfg.model.markov_w1_embed:  # W1's embedding path (markov_embed.py): reads the table's whole gradient
+        if engine not in ("single", "ddp"):
+            raise UserError(f"model.markov_w1_embed runs on one process or under DDP, not under {engine} (it reads "
+                            "the Markov table's whole gradient after each step)")
+        shared_w1 = SharedW1(accelerator.unwrap_model(drafter).markov_head, target.embed.weight, cfg.train.lr,
+                             cfg.train.betas, sched.lr_lambdas[0])
+        if resume:
+            shared_w1.load_state_dict(state["markov_embed"])
+    return drafter, opt, raw_opt, sched, shared_w1, train_dl, (start_step, epoch, skip, tokens, train_time)
 
 
 def open_metrics(run: Run):
@@ -674,6 +686,8 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
     lr = run.sched.get_last_lr()[0]  # the rate this step uses
     run.opt.step()
     run.sched.step()
+    if run.shared_w1 is not None:  # reads the table's gradient: before it is cleared
+        run.shared_w1.step()
     run.opt.zero_grad(set_to_none=True)
     run.train_time += time.time() - t0
 

@@ -208,6 +208,10 @@ def choice_text(r: dict, choice: dict | None) -> str:
         lines.append(f"Trained for its tree: every {td['every']} step(s), {td['anchors']} blocks' own {td['budget']}-node "
                      f"trees were labelled by one verifier forward (ancestor-only mask) and the conditional head's "
                      f"scores at every node pulled toward the verifier's (KL, weight {td['weight']}).")
+    if (r.get("model") or {}).get("markov_w1_embed"):
+        lines.append("The Markov head's W1 was trained as a table plus the verifier's input embedding times a learned "
+                     "[H, r] map, folded into the table every step (model.markov_w1_embed), so tokens seldom seen "
+                     "before a slot (a tree's siblings) have trained rows; it is served as the plain table.")
     if choice is not None:
         what = f"DDTree budget **{choice['budget']}**" if choice["budget"] else "the chain"
         scores = ", ".join(f"step {s}: {v:.2f}" for s, v in choice["validated"].items())

@@ -1,5 +1,6 @@
 """Shared fixtures: the bundled tiny target, tiny Qwen3/Llama targets with random weights, small data."""
 
+import atexit
 import contextlib
 import io
 import json
@@ -13,8 +14,12 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
-# Weight hashes of local verifiers (target.weights_sha256) are remembered here, not in ~/.cache.
-os.environ.setdefault("DFLASH_HASH_CACHE", os.path.join(tempfile.mkdtemp(prefix="dflash-hashes-"), "hashes.json"))
+# Weight hashes of local verifiers (target.weights_sha256) are remembered here, not in ~/.cache; the
+# folder goes when the session ends (it was left in /tmp by every run).
+if "DFLASH_HASH_CACHE" not in os.environ:
+    _hashes = tempfile.mkdtemp(prefix="dflash-hashes-")
+    atexit.register(shutil.rmtree, _hashes, ignore_errors=True)
+    os.environ["DFLASH_HASH_CACHE"] = os.path.join(_hashes, "hashes.json")
 
 import pytest
 import torch

@@ -123,6 +123,7 @@ def test_a_run_resumes_exactly_saves_a_plain_dspark_head_and_decodes_losslessly(
     config = json.loads((full / "final" / "config.json").read_text())
     assert "markov_w1_embed" not in json.dumps(config)  # the served head is the plain table
     export_main(["--format", "speculators", "--checkpoint", str(full / "final"), "--output", str(tmp_path / "spec")])
+    assert "folded into the table every step (model.markov_w1_embed)" in (tmp_path / "spec" / "README.md").read_text()
     spec = load_drafter(tmp_path / "spec")[0]
     torch.testing.assert_close(spec.markov_head.markov_w1.weight, a.markov_head.markov_w1.weight)
     eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "1", "--budgets", "8", "--max-new-tokens", "8",

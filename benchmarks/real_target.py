@@ -255,7 +255,8 @@ class Bench:
         for rep in range(2):
             for setting, extra, cache in [("online-fp32", [], None), ("cache-bf16", ["train.precision=bf16"], "bf16")]:
                 self.train(f"speed-{setting}-{rep}", ROWS["dflash"],
-                           extra + ["checkpoint_every=0", "eval.max_samples=1", "eval.ddtree_budgets=[16]"],
+                           extra + ["checkpoint_every=0", "eval.max_samples=1", "eval.ddtree_budgets=[16]",
+                                    "eval.deploy_budget=16"],  # validation measures the budget it chooses for
                            steps=n, cache=cache)
 
     def all(self, objectives: bool, tree: bool = False):
@@ -383,7 +384,10 @@ def main() -> int:
     bench = Bench(Path(args.cache_dir), "quick" if args.quick else "full", stages)
     bench.all(args.objectives, args.tree)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    result = {"command": "python " + " ".join(sys.argv), "commit": commit, "machine": machine(),
+    # tracked files changed since that commit (the run's code is then not exactly the commit's)
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, cwd=ROOT).stdout.strip())
+    result = {"command": "python " + " ".join(sys.argv), "commit": commit, "dirty": dirty, "machine": machine(),
               "mode": bench.mode, "settings": bench.s} | bench.table()
     out = Path(args.output or ROOT / "benchmarks" / "results" / f"real_target{'_quick' if args.quick else ''}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -56,3 +56,54 @@ def test_off_path_prompts_are_the_training_prompts_without_val(tmp_path):
     got = [json.loads(line)["messages"] for line in (tmp_path / "prompts-t1.jsonl").read_text().splitlines()]
     assert got == [convs[0][:1], convs[2][:1]]
     assert info == {"rows": 4, "train_prompts": 2, "val_prompts_left_out": 1, "train_rows": 2}
+
+
+@pytest.mark.parametrize("mode", ["full", "quick"])
+def test_every_command_the_benchmark_runs_parses(tmp_path, monkeypatch, mode):
+    """Each stage's command line, as both modes build it (the objectives and tree rows included), is
+    accepted by its tool's own parser, and a training command's recipe with its overrides validates:
+    a recipe rule added later (eval.deploy_budget must be among eval.ddtree_budgets) once broke the
+    speed stage, found only when --quick ran an hour's worth of stages later."""
+    from dflash_train import eval as dflash_eval
+    from dflash_train import hs_cache, prepare
+    from dflash_train import real_target as fetch
+    from dflash_train.config import load_recipe
+    from dflash_train.train import parse_args as train_args
+
+    seen = []
+
+    def run(cmd, log):
+        cmd = [str(c) for c in cmd]
+        tool = Path(cmd[0]).name
+        if "dflash_train/train.py" in cmd:
+            args = train_args(cmd[cmd.index("dflash_train/train.py") + 1:])
+            load_recipe(ROOT / args.recipe, args.overrides)  # raises UserError on a key the recipe rejects
+            out = Path(next(a.split("=", 1)[1] for a in args.overrides if a.startswith("output_dir=")))
+            out.mkdir(parents=True)
+            (out / "summary.json").write_text("{}")  # so the evals after it run
+            seen.append("train")
+        elif tool == "dflash-eval":
+            dflash_eval.parse_args(cmd[1:])
+            seen.append("eval")
+        elif tool == "dflash-prepare":
+            prepare.parse_args(cmd[1:])
+            seen.append("prepare")
+        elif tool == "dflash-cache":
+            hs_cache.parse_args(cmd[1:])
+            seen.append("cache")
+        else:
+            assert cmd[1:3] == ["-m", "dflash_train.real_target"], cmd
+            fetch.parse_args(cmd[3:])
+            seen.append("fetch")
+        return 0.0
+
+    monkeypatch.setattr(bench, "run", run)
+    monkeypatch.setattr(bench.Bench, "select", lambda self: None)  # reads the fetched ShareGPT file
+    monkeypatch.setattr(bench.Bench, "select_t1", lambda self: None)
+    bench.Bench(tmp_path, mode).all(objectives=True, tree=True)
+    objective_rows = 2 * len(bench.OBJECTIVES) - 1  # CE + D-PACE seed 0 is the dflash row
+    rows = len(bench.ROWS) + 1 + len(bench.TREE_ROWS) + objective_rows  # + 1: dflash-fp32taps
+    assert seen.count("train") == 4 + rows  # the speed stage's 4 runs, then every row
+    # the variant and tree rows at each temperature; fp32 taps and the objectives at T=0
+    assert seen.count("eval") == (len(bench.ROWS) + len(bench.TREE_ROWS)) * len(bench.TEMPERATURES[mode]) + 1 + objective_rows
+    assert seen.count("prepare") == 2 and seen.count("cache") == 3 and seen.count("fetch") == 1

@@ -352,7 +352,7 @@ def markdown(result: dict) -> str:
     lines = ["| row | suite | T (dtype) | chain tau | DDTree @16 / @64 / @256 | off-spine @64 | calibration error @64 | loops | "
              "lossless | best (speedup, 90% interval) | train s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        trees = " / ".join(f"{r['ddtree_tau'].get(b, float('nan')):.2f}" for b in ("16", "64", "256"))
+        trees = " / ".join(f"{r['ddtree_tau'][b]:.2f}" if b in r["ddtree_tau"] else "-" for b in ("16", "64", "256"))
         best = r["best"]
         label = "chain" if best["method"] == "dflash" else f"@{best['budget']}" if best["method"] == "ddtree" else "AR"
         loops = f"{r['loops']['looping']}/{r['loops']['replies']}" if r["loops"]["replies"] is not None else "-"

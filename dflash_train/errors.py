@@ -7,6 +7,7 @@ input; only the first process of each machine (LOCAL_RANK 0) prints the line, al
 import argparse
 import os
 import sys
+import time
 from collections.abc import Callable
 from functools import wraps
 
@@ -34,6 +35,10 @@ def cli_guard(main: Callable) -> Callable:
             return main(*args, **kwargs)
         except UserError as e:
             say(f"error: {e}")
+            if os.environ.get("LOCAL_RANK", "0") != "0":
+                # the others meet the same input in the same time; exiting at once let torchrun
+                # SIGTERM local rank 0 before it had printed the line (seen once in 3 fresh-clone runs)
+                time.sleep(2)
             sys.exit(2)
         except (Interrupted, KeyboardInterrupt) as e:
             # a newline first: a progress bar may have been cut mid-line

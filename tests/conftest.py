@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 # Tests never reach the Hub or a tracking server.
@@ -20,6 +21,16 @@ if "DFLASH_HASH_CACHE" not in os.environ:
     _hashes = tempfile.mkdtemp(prefix="dflash-hashes-")
     atexit.register(shutil.rmtree, _hashes, ignore_errors=True)
     os.environ["DFLASH_HASH_CACHE"] = os.path.join(_hashes, "hashes.json")
+# DeepSpeed JIT-builds its CPU shm op on every launch behind torch's lock file, which has no owner: a
+# process killed mid-build leaves it behind and every later launch waits on it forever (CI inherited
+# one in ~/.cache and both DeepSpeed tests hung 600 s). Build into this checkout's ignored .cache/
+# instead (a fresh clone builds once either way: the op's sources sit in its own .venv), and drop a
+# lock there older than any build (~40 s here): nothing still building holds it.
+_extensions = Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"
+os.environ["TORCH_EXTENSIONS_DIR"] = str(_extensions)
+for _lock in _extensions.glob("*/lock"):
+    if time.time() - _lock.stat().st_mtime > 600:
+        _lock.unlink(missing_ok=True)
 
 import pytest
 import torch

@@ -6,6 +6,7 @@ accelerate does not shard on a CPU-only host, so under fsdp.yaml dflash-train ap
 fully_shard itself (dflash_train/engines.py); DeepSpeed runs on its CPU accelerator.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -39,6 +40,20 @@ def run(cmd: list[str]) -> subprocess.CompletedProcess:
     return r
 
 
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and its workers (torchrun starts them in their own sessions)."""
+    try:
+        launcher = psutil.Process(proc.pid)
+        tree = [launcher, *launcher.children(recursive=True)]
+    except psutil.NoSuchProcess:  # the launcher has already been reaped
+        return
+    for p in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(tree[1:], timeout=30)
+
+
 def records(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
@@ -68,17 +83,17 @@ def ddp_run(tmp_path_factory, small_data):
 def test_engine_trains_like_ddp_and_resumes_after_sigkill(config, engine, ddp_run, small_data, tmp_path):
     out = tmp_path / "run"
     cmd = command(config, out, small_data)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
+    log = tmp_path / "first.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300  # ~30-65 s here; a hang must not hold the next test (or CI) hostage
     while not (out / "checkpoints" / "step_000002" / "trainer_state.json").exists():
-        assert proc.poll() is None and time.time() < deadline, "training ended before the kill"
+        if proc.poll() is not None or time.time() > deadline:
+            what = "ended" if proc.returncode is not None else "hung"
+            kill_tree(proc)
+            pytest.fail(f"training {what} before the kill at step 2; its output ends:\n{log.read_text()[-3000:]}")
         time.sleep(0.02)
-    launcher = psutil.Process(proc.pid)
-    tree = [launcher, *launcher.children(recursive=True)]  # torchrun starts the workers in their own sessions
-    for p in tree:
-        p.send_signal(signal.SIGKILL)
-    proc.wait()
-    psutil.wait_procs(tree, timeout=30)
+    kill_tree(proc)
     assert not (out / "summary.json").exists(), "training ended before the kill"
     killed_at = max(records(out))
 
@@ -159,3 +174,36 @@ def test_heads_under_fsdp_train_like_one_process(small_data, tmp_path, variant, 
     assert [a[s]["loss"] for s in range(1, steps + 1)] == pytest.approx([b[s]["loss"] for s in range(1, steps + 1)],
                                                                          rel=1e-5)
     assert_same_weights(sharded / "final", other / "final")
+
+
+def test_a_stale_deepspeed_build_lock_is_named_before_deepspeed_waits_on_it(small_data, tmp_path):
+    """torch's JIT-build lock has no owner: one left by a process killed mid-build makes DeepSpeed
+    wait forever without a word (CI hung 2 x 600 s on one). dflash-train names it first, and
+    deletes nothing; a lock younger than any build is left unmentioned."""
+    from dflash_train.engines import stale_build_locks
+    root = tmp_path / "extensions"
+    stale, fresh = root / "py311_cpu" / "deepspeed_shm_comm" / "lock", root / "deepspeed_shm_comm" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    env = {**ENV, "TORCH_EXTENSIONS_DIR": str(root)}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCH_EXTENSIONS_DIR", str(root))
+        assert stale_build_locks() == [stale]
+
+    log = tmp_path / "launch.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command("deepspeed_zero2.yaml", tmp_path / "run", small_data), cwd=ROOT, env=env,
+                                stdout=f, stderr=subprocess.STDOUT)
+    deadline = time.time() + 120  # our line comes ~10 s after the launch
+    try:  # the launch then waits on the lock: watch its output for our line
+        while "warning: DeepSpeed will wait on" not in log.read_text() and proc.poll() is None \
+                and time.time() < deadline:
+            time.sleep(0.1)
+    finally:
+        kill_tree(proc)
+    lines = log.read_text().splitlines()
+    ours = [line for line in lines if line.startswith("warning: DeepSpeed")]
+    assert len(ours) == 1 and str(stale) in ours[0] and str(fresh) not in ours[0], "\n".join(lines)[-3000:]
+    assert stale.exists() and fresh.exists()

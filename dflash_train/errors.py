@@ -1,7 +1,8 @@
 """User-facing errors: one line on stderr, exit code 2, no traceback (see cli_guard).
 
 Under a launcher (torchrun, `accelerate launch --multi_gpu`) every process meets the same bad
-input; only the first process of each machine (LOCAL_RANK 0) prints the line, all exit 2.
+input; only the first process of each machine (LOCAL_RANK 0) prints the line, all exit 2. The
+others wait first, and print their line themselves if the launcher has not stopped them by then.
 """
 
 import argparse
@@ -10,6 +11,9 @@ import sys
 import time
 from collections.abc import Callable
 from functools import wraps
+
+
+OTHER_RANKS_WAIT_S = 10
 
 
 class UserError(Exception):
@@ -34,11 +38,15 @@ def cli_guard(main: Callable) -> Callable:
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            say(f"error: {e}")
-            if os.environ.get("LOCAL_RANK", "0") != "0":
-                # the others meet the same input in the same time; exiting at once let torchrun
-                # SIGTERM local rank 0 before it had printed the line (seen once in 3 fresh-clone runs)
-                time.sleep(2)
+            if os.environ.get("LOCAL_RANK", "0") == "0":
+                say(f"error: {e}")
+            else:
+                # Every process meets the same input at about the same time, and the launcher stops
+                # the rest ~0.1 s after the first one exits: exiting at once here let torchrun
+                # SIGTERM local rank 0 before it had printed (1 run in 3). So wait; still alive
+                # after that, this rank met an error rank 0 did not, and says it itself.
+                time.sleep(OTHER_RANKS_WAIT_S)
+                print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         except (Interrupted, KeyboardInterrupt) as e:
             # a newline first: a progress bar may have been cut mid-line

@@ -11,6 +11,10 @@ import tempfile
 import time
 from pathlib import Path
 
+# One torch thread per process (before torch is imported): on this 2-core machine two threads spin
+# against any other load (measured with one background process: the first test_decode test and its
+# fixture took 403 s with torch's default 2 threads, 115 s with 1). Launched subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Tests never reach the Hub or a tracking server.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -36,6 +40,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TARGET = ROOT / "data" / "tiny-target"
 sys.path.insert(0, str(ROOT / "data"))

@@ -340,8 +340,23 @@ class Bench:
                 speed[setting] = [r["train_tokens_per_s"] for r in runs]
         if len(speed) == 2:
             speed["ratio"] = round(sum(speed["cache-bf16"]) / sum(speed["online-fp32"]), 2)
-        return {"rows": rows, "train_tokens_per_s": speed, "timings_s": self.timings,
+        return {"rows": rows, "teacher_forced": self.teacher_forced(), "train_tokens_per_s": speed,
+                "timings_s": self.timings,
                 "data": self._load("data/select.json") | {"prepare_info": self._prepare_info()}}
+
+    def teacher_forced(self) -> dict:
+        """Every trained run's validation on the held-out conversations (its summary.json): the
+        objectives' question is answered here, decoding on 2 prompts a suite being too noisy for it."""
+        out = {}
+        for p in sorted((self.root / "runs").glob("*/summary.json")):
+            s = json.loads(p.read_text())
+            e = s.get("eval") or {}
+            if p.parent.name.startswith("speed-") or "eal" not in e:
+                continue
+            out[p.parent.name] = {"steps": s["steps"], "wall_s": s["wall_s"], "eal": e["eal"],
+                                  "ddtree_tau": e.get("ddtree_tau"), "acc_slot1": e["acc_per_position"][0],
+                                  "alpha_slot1": e["alpha_per_position"][0]}
+        return out
 
     def _prepare_info(self) -> dict:
         p = self.root / "data" / "prepared" / "prepare_info.json"

@@ -109,3 +109,19 @@ def test_every_command_the_benchmark_runs_parses(tmp_path, monkeypatch, mode):
     assert seen.count("eval") == (len(bench.ROWS) + len(bench.TREE_ROWS)) * len(bench.TEMPERATURES[mode]) \
         + fp32taps + objective_rows
     assert seen.count("prepare") == 2 and seen.count("cache") == 2 + fp32taps and seen.count("fetch") == 1
+
+
+def test_teacher_forced_numbers_of_every_trained_run_are_kept(tmp_path):
+    """The objectives' table reads the runs' own validation (summary.json); speed runs are not rows."""
+    def summary(name, eal):
+        d = tmp_path / "runs" / name
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps({"steps": 300, "wall_s": 1380.0, "eval": {
+            "eal": eal, "ddtree_tau": {"16": 1.5, "64": 1.7}, "acc_per_position": [0.2, 0.1],
+            "alpha_per_position": [0.11, 0.05]}}))
+    summary("obj-kl-s1", 1.215)
+    summary("speed-cache-bf16-0", 1.01)
+    (tmp_path / "runs" / "dflash").mkdir()  # not finished: no summary
+    tf = bench.Bench(tmp_path, "full").teacher_forced()
+    assert tf == {"obj-kl-s1": {"steps": 300, "wall_s": 1380.0, "eal": 1.215, "ddtree_tau": {"16": 1.5, "64": 1.7},
+                                "acc_slot1": 0.2, "alpha_slot1": 0.11}}

@@ -38,15 +38,13 @@ def cli_guard(main: Callable) -> Callable:
         try:
             return main(*args, **kwargs)
         except UserError as e:
-            if os.environ.get("LOCAL_RANK", "0") == "0":
-                say(f"error: {e}")
-            else:
+            if os.environ.get("LOCAL_RANK", "0") != "0":
                 # Every process meets the same input at about the same time, and the launcher stops
                 # the rest ~0.1 s after the first one exits: exiting at once here let torchrun
                 # SIGTERM local rank 0 before it had printed (1 run in 3). So wait; still alive
                 # after that, this rank met an error rank 0 did not, and says it itself.
                 time.sleep(OTHER_RANKS_WAIT_S)
-                print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         except (Interrupted, KeyboardInterrupt) as e:
             # a newline first: a progress bar may have been cut mid-line

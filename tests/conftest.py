@@ -8,7 +8,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 # One torch thread per process (before torch is imported): on this 2-core machine two threads spin
@@ -28,13 +27,9 @@ if "DFLASH_HASH_CACHE" not in os.environ:
 # DeepSpeed JIT-builds its CPU shm op on every launch behind torch's lock file, which has no owner: a
 # process killed mid-build leaves it behind and every later launch waits on it forever (CI inherited
 # one in ~/.cache and both DeepSpeed tests hung 600 s). Build into this checkout's ignored .cache/
-# instead (a fresh clone builds once either way: the op's sources sit in its own .venv), and drop a
-# lock there older than any build (~40 s here): nothing still building holds it.
-_extensions = Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions"
-os.environ["TORCH_EXTENSIONS_DIR"] = str(_extensions)
-for _lock in _extensions.glob("*/lock"):
-    if time.time() - _lock.stat().st_mtime > 600:
-        _lock.unlink(missing_ok=True)
+# instead (a fresh clone builds once either way: the op's sources sit in its own .venv); a stale
+# lock there (see engines.stale_build_locks) is dropped below, once torch can be imported.
+os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
 
 import pytest
 import torch
@@ -46,7 +41,11 @@ TINY_TARGET = ROOT / "data" / "tiny-target"
 sys.path.insert(0, str(ROOT / "data"))
 import tinychat  # noqa: E402
 
+from dflash_train.engines import stale_build_locks  # noqa: E402
 from dflash_train.target import load_target  # noqa: E402
+
+for _lock in stale_build_locks():  # older than any build: nothing still building holds it
+    _lock.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

@@ -17,9 +17,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_train.data import load_conversations  # noqa: E402
-from dflash_train.hs_cache import build_cache, bytes_per_token  # noqa: E402
-from dflash_train.target import load_target  # noqa: E402
+from dflash_train.data.dataset import load_conversations  # noqa: E402
+from dflash_train.data.hs_cache import build_cache, bytes_per_token  # noqa: E402
+from dflash_train.model.target import load_target  # noqa: E402
 
 
 def main():

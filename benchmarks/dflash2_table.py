@@ -64,13 +64,13 @@ def step_times(steps: int, overrides: list[str], seed: int) -> dict[str, list[fl
     (which one goes first alternates too) on the same batches and anchors, in this process."""
     from torch.utils.data import DataLoader
 
-    from dflash_train.blocks import anchored_blocks, block_slots, draw_anchors
-    from dflash_train.checkpoint import init_drafter
-    from dflash_train.config import load_recipe
-    from dflash_train.data import collate, load_conversations
-    from dflash_train.loss import loss_divisor
-    from dflash_train.target import load_target
-    from dflash_train.train import training_loss
+    from dflash_train.training.blocks import anchored_blocks, block_slots, draw_anchors
+    from dflash_train.training.build import init_drafter
+    from dflash_train.training.config import load_recipe
+    from dflash_train.data.dataset import collate, load_conversations
+    from dflash_train.model.loss import loss_divisor
+    from dflash_train.model.target import load_target
+    from dflash_train.training.trainer import training_loss
 
     cfgs = {k: load_recipe(p, overrides) for k, p in RECIPES.items()}
     target = load_target(cfgs["dflash"].model.target)
@@ -124,7 +124,7 @@ def main():
     results = []
     for label, variant, scores in ROWS:
         name = f"eval-{scores}"
-        run([sys.executable, "-m", "dflash_train.eval", "--drafter", str(out / variant / "run" / "final"),
+        run([sys.executable, "-m", "dflash_train.cli.eval", "--drafter", str(out / variant / "run" / "final"),
              "--budgets", ",".join(map(str, BUDGETS)), "--tree-scores", scores, "--max-new-tokens",
              str(args.max_new_tokens), "--output", str(out / variant / name), "--overwrite",
              *(["--limit", str(args.limit)] if args.limit else [])],

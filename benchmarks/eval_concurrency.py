@@ -6,7 +6,7 @@
 At greedy decoding a request's acceptance does not depend on the other requests in its batch,
 so what the prediction must get right is the cost side. dflash-eval predicts the verify forward
 of N requests x (budget + 1) tokens as ONE request's forward of width N x (budget + 1), read
-off the curve it measures (`dflash_train.costs.measure_costs`, one KV cache of `context` tokens).
+off the curve it measures (`dflash_train.evaluation.costs.measure_costs`, one KV cache of `context` tokens).
 Here N requests get their own KV caches (prefilled separately, contexts spread around
 `context` by --spread), which are right-padded to the longest and stacked into one batch;
 one forward verifies [N, budget + 1] tree tokens with a 4D mask (each row sees its own prefix,
@@ -36,15 +36,15 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from dflash_train.checkpoint import drafter_config_for
-from dflash_train.config import ModelConfig
-from dflash_train.costs import measure_costs
-from dflash_train.ddtree import build_tree, root_only_tree
-from dflash_train.decode import choose, verify
-from dflash_train.eval import hardware_record
-from dflash_train.model import DFlashDrafter
-from dflash_train.speed import Curves, at_width
-from dflash_train.target import load_target
+from dflash_train.decoding.ddtree import build_tree, root_only_tree
+from dflash_train.decoding.decode import choose, verify
+from dflash_train.evaluation.costs import measure_costs
+from dflash_train.evaluation.speed import Curves, at_width
+from dflash_train.evaluation.summary import hardware_record
+from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.target import load_target
+from dflash_train.training.build import drafter_config_for
+from dflash_train.training.config import ModelConfig
 
 
 def prefill(target, ids: torch.Tensor) -> DynamicCache:

@@ -26,13 +26,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from dflash_train import speed
-from dflash_train.checkpoint import load_drafter
-from dflash_train.data import stop_token_ids
-from dflash_train.eval import run_sweep, summarize, sweep_order, warm_up
-from dflash_train.speed import verdict_text
-from dflash_train.suites import load_suite
-from dflash_train.target import load_target
+from dflash_train.checkpoint.folders import load_drafter
+from dflash_train.data.dataset import stop_token_ids
+from dflash_train.evaluation import speed
+from dflash_train.evaluation.speed import verdict_text
+from dflash_train.evaluation.suites import load_suite
+from dflash_train.evaluation.summary import summarize
+from dflash_train.evaluation.sweep import run_sweep, sweep_order, warm_up
+from dflash_train.model.target import load_target
 
 HOG = "import numpy as np\na = np.random.rand(700, 700)\nwhile True:\n    a = a @ a\n    a /= np.abs(a).max()\n"
 

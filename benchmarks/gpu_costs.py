@@ -47,13 +47,13 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
-from dflash_train.costs import CONTEXT_WIDTHS, draft_batch
-from dflash_train.ddtree import build_tree, root_only_tree
-from dflash_train.decode import STAGES, decode, draft_block, draft_hidden, verify
-from dflash_train.dflash2 import CandidateSelector, SelectorScorer, selector_chain
-from dflash_train.dspark import MarkovHead, MarkovScorer, markov_chain
-from dflash_train.model import ContextCache, DFlashDrafter, DrafterConfig
-from dflash_train.target import Target, taps_from_hidden_states
+from dflash_train.decoding.ddtree import build_tree, root_only_tree
+from dflash_train.decoding.decode import STAGES, decode, draft_block, draft_hidden, verify
+from dflash_train.evaluation.costs import CONTEXT_WIDTHS, draft_batch
+from dflash_train.model.drafter import ContextCache, DFlashDrafter, DrafterConfig
+from dflash_train.model.target import Target, taps_from_hidden_states
+from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_chain
+from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, markov_chain
 
 # Qwen3-8B's config.json, and the published drafter z-lab/Qwen3-8B-DFlash-b16 (see shared/reference/dflash.md).
 QWEN3_8B = dict(

@@ -1,5 +1,5 @@
 """Peak memory and time of one loss evaluation + backward at Qwen3's vocabulary (151,936) on CPU,
-unchunked vs chunked (`loss.chunk_slots`, dflash_train/loss.py).
+unchunked vs chunked (`loss.chunk_slots`, dflash_train/model/loss.py).
 
     .venv/bin/python benchmarks/loss_memory.py                  # 1,920 slots (128 anchors x 15), ~5 min
     .venv/bin/python benchmarks/loss_memory.py --anchors 512 --no-unchunked   # 7,680 slots, chunked only
@@ -27,8 +27,8 @@ QWEN3_VOCAB = 151_936
 def child(args) -> None:
     import torch
 
-    from dflash_train.config import LossConfig
-    from dflash_train.loss import dflash_loss
+    from dflash_train.training.config import LossConfig
+    from dflash_train.model.loss import dflash_loss
 
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)

@@ -25,8 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_train.config import load_recipe  # noqa: E402
-from dflash_train.errors import UserError  # noqa: E402
+from dflash_train.core.errors import UserError  # noqa: E402
+from dflash_train.training.config import load_recipe  # noqa: E402
 
 RECIPE = ROOT / "recipes" / "tiny.yaml"
 # row id -> (label, recipe overrides on top of the tiny recipe)
@@ -100,7 +100,7 @@ def main():
         t0 = time.time()
         run([sys.executable, "-m", "dflash_train.train", "--recipe", str(RECIPE), f"output_dir={run_dir / 'run'}",
              *common, *overrides], out / f"{row}.train.log", env)
-        run([sys.executable, "-m", "dflash_train.eval", "--drafter", str(run_dir / "run" / "final"), "--budgets",
+        run([sys.executable, "-m", "dflash_train.cli.eval", "--drafter", str(run_dir / "run" / "final"), "--budgets",
              ",".join(map(str, BUDGETS)), "--max-new-tokens", str(args.max_new_tokens), "--output",
              str(run_dir / "eval"), "--overwrite", "--device", "cpu", "--seed", str(args.seed),
              *(["--limit", str(args.limit)] if args.limit else [])], out / f"{row}.eval.log", env)

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train import prepare
-from dflash_train import regenerate as regen
-from dflash_train.target import load_target
+from dflash_train.data import chat
+from dflash_train.data import regenerate as regen
+from dflash_train.model.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "data" / "tiny" / "train.jsonl"
@@ -27,9 +27,9 @@ TARGET = ROOT / "data" / "tiny-target"
 
 
 def read(limit: int | None = None) -> list[list[dict]]:
-    fields = prepare.Fields(*prepare.FORMATS["messages"], prepare.ROLE_NAMES)
-    rows = prepare.read_rows(str(DATA), "json", "train", None)
-    conversations, _ = prepare.read_conversations(rows, "messages", fields, strict=True, source=str(DATA))
+    fields = chat.Fields(*chat.FORMATS["messages"], chat.ROLE_NAMES)
+    rows = chat.read_rows(str(DATA), "json", "train", None)
+    conversations, _ = chat.read_conversations(rows, "messages", fields, strict=True, source=str(DATA))
     return conversations[:limit]
 
 
@@ -43,12 +43,12 @@ def main():
     torch.set_num_threads(args.threads)
     target = load_target(str(TARGET))
     tok = target.tokenizer
-    eot = prepare.end_of_turn(tok)
+    eot = chat.end_of_turn(tok)
     rows = []  # (stage, conversations, tokens, seconds)
 
     t0 = time.perf_counter()
     conversations = read()
-    encoded = [r for r in prepare.encode_conversations(tok, conversations, eot, 3072, False) if not isinstance(r, str)]
+    encoded = [r for r in chat.encode_conversations(tok, conversations, eot, 3072, False) if not isinstance(r, str)]
     rows.append(("tokenize", len(conversations), sum(len(ids) for ids, _ in encoded), time.perf_counter() - t0))
 
     convs = read(args.regen_rows)

@@ -55,7 +55,7 @@ def one(row: str, seed: int, out: Path, env: dict, train: bool = True) -> dict |
         # CPU seconds of the training process: on a shared machine, steadier than its wall time
         cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         (d / "train_cpu_s.json").write_text(json.dumps({"train_cpu_s": round(cpu, 1)}) + "\n")
-        run([sys.executable, "-m", "dflash_train.eval", "--drafter", str(d / "run" / "final"), "--budgets",
+        run([sys.executable, "-m", "dflash_train.cli.eval", "--drafter", str(d / "run" / "final"), "--budgets",
              ",".join(map(str, BUDGETS)), "--concurrency", "1", "--output", str(d / "eval"), "--overwrite",
              "--device", "cpu"], d / "eval.log", env)
     summary = json.loads((d / "run" / "summary.json").read_text())

@@ -4,11 +4,11 @@
 
 Both train the same drafter (2 layers, block 8, taps = our z-lab ids [1, 5] = speculators'
 aux ids [2, 6]) against the bundled tiny target (8 layers, hidden 128) on the same rows of
-data/tiny/train.jsonl, tokenized once by `dflash_train.data.load_conversations`, in fp32,
+data/tiny/train.jsonl, tokenized once by `dflash_train.data.dataset.load_conversations`, in fp32,
 with AdamW, CE to the target's greedy tokens (gamma 4), the same anchors and tokens per step:
 
   ours, offline      batch_size sequences x num_anchors anchors each, states read from a
-                     float32 `dflash_train.hs_cache` built here (no target forward in the step)
+                     float32 `dflash_train.data.hs_cache` built here (no target forward in the step)
   ours, online       the same, with the target forward inside the step
   speculators 0.9.0  one packed row of ~batch_size sequences (total_seq_len = batch_size x mean
                      length) and max_anchors = batch_size x num_anchors, states read from
@@ -55,9 +55,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash_train.data import load_conversations  # noqa: E402
-from dflash_train.hs_cache import build_cache  # noqa: E402
-from dflash_train.target import load_target, taps_from_hidden_states  # noqa: E402
+from dflash_train.data.dataset import load_conversations  # noqa: E402
+from dflash_train.data.hs_cache import build_cache  # noqa: E402
+from dflash_train.model.target import load_target, taps_from_hidden_states  # noqa: E402
 
 TARGET = ROOT / "data" / "tiny-target"
 OUR_TAPS = [1, 5]  # z-lab ids: decoder layer k = HF output_hidden_states[k + 1]
@@ -278,7 +278,7 @@ def main():
                 tokens = [rec["tokens"] - prev for rec, prev in zip(recs, [0] + [rec["tokens"] for rec in recs])]
                 step_end = [rec["elapsed_s"] for rec in recs]
                 r["params"] = json.loads((out / "summary.json").read_text())["drafter_parameters"]
-                r["optimizer"] = "AdamW"  # train.py builds torch.optim.AdamW
+                r["optimizer"] = "AdamW"  # training/trainer.py builds torch.optim.AdamW
             else:
                 rec = json.loads(spec_record.read_text())
                 tokens, step_end, spec_profile = rec["tokens"], rec["step_end"], rec["profile"][args.warmup :]

@@ -26,9 +26,9 @@ import time
 
 import torch
 
-from dflash_train.ddtree import best_first, build_tree, top_k_log_probs, visibility_mask
-from dflash_train.dflash2 import CandidateSelector, SelectorScorer
-from dflash_train.dspark import TREE_CANDIDATES, MarkovHead, MarkovScorer
+from dflash_train.decoding.ddtree import best_first, build_tree, top_k_log_probs, visibility_mask
+from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer
+from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, TREE_CANDIDATES
 
 L, V = 15, 151936
 RANK, HIDDEN = 256, 4096  # Qwen3-8B DSpark

@@ -41,8 +41,8 @@ TINY_TARGET = ROOT / "data" / "tiny-target"
 sys.path.insert(0, str(ROOT / "data"))
 import tinychat  # noqa: E402
 
-from dflash_train.engines import stale_build_locks  # noqa: E402
-from dflash_train.target import load_target  # noqa: E402
+from dflash_train.model.target import load_target  # noqa: E402
+from dflash_train.training.engines import stale_build_locks  # noqa: E402
 
 for _lock in stale_build_locks():  # older than any build: nothing still building holds it
     _lock.unlink(missing_ok=True)
@@ -92,7 +92,7 @@ def small_data(tmp_path_factory):
 @pytest.fixture(scope="session")
 def trained_drafter_dir(tmp_path_factory):
     """A drafter briefly trained on the bundled target (so its guesses are often accepted)."""
-    from dflash_train.train import main
+    from dflash_train.cli.train import main
 
     out = tmp_path_factory.mktemp("drafter") / "run"
     # its own schedule, not the tiny recipe's: tests lean on how well this drafter is trained
@@ -104,9 +104,10 @@ def trained_drafter_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def fresh_drafter_dir(tiny_target, tmp_path_factory):
     """An untrained drafter for the bundled target, saved as training saves final/ (cheap: no training)."""
-    from dflash_train.checkpoint import drafter_config_for, save_drafter
-    from dflash_train.config import ModelConfig
-    from dflash_train.model import DFlashDrafter
+    from dflash_train.checkpoint.folders import save_drafter
+    from dflash_train.training.build import drafter_config_for
+    from dflash_train.training.config import ModelConfig
+    from dflash_train.model.drafter import DFlashDrafter
 
     torch.manual_seed(0)
     out = tmp_path_factory.mktemp("fresh") / "drafter"

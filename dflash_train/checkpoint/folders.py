@@ -1,0 +1,230 @@
+"""Save and load drafter folders (our training format), and training checkpoints for an exact
+resume. Building a drafter for a target: training/build.py.
+
+A drafter folder holds:
+    model.safetensors  the trainable weights only, Speculators names (fc, hidden_norm, layers.N.*, norm)
+    config.json        {"format": "dflash-train", "drafter": DrafterConfig, "target": {name_or_path, revision}}
+    recipe.yaml        the recipe that trained it (when it came from training)
+Folders are written to a temporary sibling and renamed, so a reader never sees half a drafter.
+"""
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dflash_train.checkpoint.formats import drafter_config_from, read_config
+from dflash_train.core.errors import UserError
+from dflash_train.core.outputs import match_umask, write_atomically
+from dflash_train.core.paths import model_source
+from dflash_train.core.schema import read_json, validated
+from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.model.target import Target, first_line
+
+FORMAT = "dflash-train"
+# Tensors a Speculators checkpoint may carry that belong to the verifier, not the drafter.
+SPECULATORS_VERIFIER_KEYS = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                             "verifier_norm.weight", "d2t", "t2d"}
+
+
+def mask_token_text(tokenizer, mask_id: int) -> str | None:
+    return tokenizer.convert_ids_to_tokens(mask_id) if mask_id < len(tokenizer) else None
+
+
+def check_matches_target(cfg: DrafterConfig, target: Target) -> None:
+    """A drafter only works with a target of the same hidden size, vocabulary and depth."""
+    tc = target.model.config
+    for name, mine, theirs in [("hidden size", cfg.hidden_size, tc.hidden_size),
+                               ("vocabulary size", cfg.vocab_size, tc.vocab_size),
+                               ("layer count", cfg.num_target_layers, tc.num_hidden_layers)]:
+        if mine is not None and mine != theirs:
+            raise UserError(f"drafter does not match target '{target.name_or_path}': {name} {mine} vs {theirs}")
+
+
+def write_drafter(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None,
+                  state: dict | None = None) -> None:
+    """`state` overrides drafter.state_dict(): under FSDP / ZeRO-3 the full weights come from
+    accelerator.get_state_dict, gathered by every process."""
+    state = {k: v.detach().to("cpu").contiguous() for k, v in (state or drafter.state_dict()).items()}
+    meta = {"format": FORMAT, "drafter": drafter.config.to_dict(),
+            "target": {"name_or_path": target.name_or_path, "revision": target.revision},
+            # None when the mask is an embedding row beyond the tokenizer (Qwen3's 151669)
+            "mask_token": mask_token_text(target.tokenizer, drafter.config.mask_token_id)}
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    (folder / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+    if recipe_yaml is not None:
+        (folder / "recipe.yaml").write_text(recipe_yaml)
+
+
+def save_drafter(out: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None,
+                 state: dict | None = None) -> None:
+    write_atomically(out, lambda tmp: write_drafter(tmp, drafter, target, recipe_yaml, state), "drafter")
+
+
+def trained_for(folder: Path) -> dict:
+    """What a drafter folder's training recipe (ours: recipe.yaml; an export: training_recipe.yaml)
+    says it was trained for: {"deploy_budget": int or None, "tree_distill": its section or None}."""
+    import yaml
+
+    for name in ("recipe.yaml", "training_recipe.yaml"):
+        if (folder / name).is_file():
+            return recipe_trained_for(yaml.safe_load((folder / name).read_text()) or {})
+    return recipe_trained_for({})
+
+
+def recipe_trained_for(r: dict) -> dict:
+    """trained_for from a recipe already read (a dict)."""
+    td = r.get("tree_distill") or {}
+    return {"deploy_budget": (r.get("eval") or {}).get("deploy_budget"), "tree_distill": td if td.get("weight") else None}
+
+
+def resolve_folder(path_or_id: str | Path) -> Path:
+    """A local folder, or a Hub id fetched (safetensors and json only) into the Hub cache."""
+    source = model_source(str(path_or_id), "drafter")
+    if Path(source).is_dir():
+        return Path(source)
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as e:  # offline, missing, gated
+        raise UserError(f"drafter '{path_or_id}' is not a local folder and cannot be fetched from the Hub: "
+                        f"{type(e).__name__}") from e
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:  # truncated, garbage, unreadable
+        raise UserError(f"'{path}' is not a readable safetensors file ({first_line(e)})") from None
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UserError(f"'{index}' is not a safetensors index (no weight_map)") from e
+        return {k: v for shard in shards for k, v in read_safetensors(folder / shard).items()}
+    if not (folder / "model.safetensors").is_file():
+        raise UserError(f"'{folder}' is not a drafter folder (no model.safetensors)")
+    return read_safetensors(folder / "model.safetensors")
+
+
+def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
+    """Load a drafter in our format, the Speculators format or the native DFlash format
+    (a folder or a Hub id). Every weight name and shape must match its config.
+    Returns the drafter and its provenance (format, target, mask token)."""
+    folder = resolve_folder(path)
+    cfg, meta = drafter_config_from(read_config(folder))
+    drafter = DFlashDrafter(cfg)
+    state = read_weights(folder)
+    expected = drafter.state_dict()
+    # Speculators may also save verifier-owned tensors (embeddings, LM head): not ours to load.
+    state = {k: v for k, v in state.items() if k not in SPECULATORS_VERIFIER_KEYS}
+    missing, extra = expected.keys() - state.keys(), state.keys() - expected.keys()
+    if missing or extra:
+        raise UserError(f"'{path}' weights do not match its config: missing {sorted(missing)[:3]}, "
+                        f"unexpected {sorted(extra)[:3]}")
+    for k, v in state.items():
+        if v.shape != expected[k].shape:
+            raise UserError(f"'{path}' weight {k} has shape {tuple(v.shape)}, config says {tuple(expected[k].shape)}")
+    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    return drafter, meta
+
+
+def drafter_fingerprint(drafter: torch.nn.Module) -> str:
+    """SHA-256 over the drafter's tensors (name, dtype, shape, bytes) in name order. The three
+    formats hold the same tensors under the same names, so an export of a drafter has the
+    fingerprint of the drafter it came from: eval reports record it, the exporter checks it."""
+    h = hashlib.sha256()
+    for name, t in sorted(drafter.state_dict().items()):
+        t = t.detach().to("cpu", torch.float32).contiguous()
+        h.update(f"{name}:{tuple(t.shape)}".encode())
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def count_parameters(drafter: torch.nn.Module) -> int:
+    return sum(p.numel() for p in drafter.parameters())
+
+
+# --- training checkpoints: everything an exact resume needs --------------------------------------
+
+def write_checkpoint(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str, state: dict,
+                     weights: dict | None = None) -> None:
+    """Into `folder` (a temporary folder the trainer renames to checkpoints/step_N/ when complete):
+    the drafter (loadable like final/) plus `state` (step, optimizer, scheduler, data position,
+    counters); trainer_state.json last, so it marks a complete checkpoint."""
+    write_drafter(folder, drafter, target, recipe_yaml, weights)
+    torch.save(state, folder / "trainer_state.pt")
+    (folder / "trainer_state.json").write_text(json.dumps({"step": state["step"]}) + "\n")
+    match_umask(folder)  # safetensors writes 0600
+
+
+CHECKPOINT_NAME = re.compile(r"step_(\d+)")  # as the trainer names them: step_000012
+
+
+class StepMarker(BaseModel):
+    """trainer_state.json: written last, it marks a complete checkpoint."""
+    model_config = ConfigDict(extra="forbid")
+    step: int = Field(ge=1)
+
+
+class TrainerState(BaseModel):
+    """trainer_state.pt: what an exact resume needs besides the weights."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    step: int = Field(ge=1)
+    epoch: int = Field(ge=0)
+    batches_in_epoch: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    train_time: float = Field(ge=0)
+    scheduler: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None under DeepSpeed (its engine keeps its own)
+    engine: Literal["single", "ddp", "fsdp", "deepspeed"]
+    markov_embed: dict[str, Any] | None = None  # model.markov_w1_embed: SharedW1's optimizer and schedule
+
+
+def newest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint: a folder named as the trainer names them (a copy such as
+    step_000002.bak and temporary folders of interrupted writes are ignored)."""
+    done = [p for p in (out / "checkpoints").glob("step_*")
+            if CHECKPOINT_NAME.fullmatch(p.name) and (p / "trainer_state.json").is_file()]
+    return max(done, key=lambda p: int(CHECKPOINT_NAME.fullmatch(p.name)[1]), default=None)
+
+
+def load_checkpoint(folder: Path) -> tuple[dict, dict]:
+    """-> (drafter weights, trainer state). The state holds tensors, numbers and dicts only, and
+    is checked against TrainerState (a violation names the file and the field)."""
+    marker = read_json(folder / "trainer_state.json", StepMarker)
+    weights = read_safetensors(folder / "model.safetensors")
+    try:
+        state = torch.load(folder / "trainer_state.pt", weights_only=True)
+    except Exception as e:  # torch raises many types for a damaged pickle
+        raise UserError(f"checkpoint '{folder}' is damaged ({type(e).__name__}: {first_line(e)}): "
+                        "delete it to resume from the one before") from None
+    validated(TrainerState, state, f"'{folder / 'trainer_state.pt'}'")
+    if state["step"] != marker.step:
+        raise UserError(f"checkpoint '{folder}' is damaged: trainer_state.pt is of step {state['step']}, "
+                        f"trainer_state.json of step {marker.step}")
+    return weights, state
+
+
+def check_resumable(folder: Path, drafter: DFlashDrafter) -> None:
+    """A checkpoint resumes only into a drafter of its own shape (the target folder may have changed
+    since: another hidden size would fail deep inside load_state_dict)."""
+    saved, _ = drafter_config_from(read_config(folder))
+    for name, field in [("hidden size", "hidden_size"), ("vocabulary size", "vocab_size"),
+                        ("intermediate size", "intermediate_size"), ("layer count", "num_hidden_layers")]:
+        mine, theirs = getattr(drafter.config, field), getattr(saved, field)
+        if mine != theirs:
+            raise UserError(f"cannot resume from {folder}: it holds a drafter of {name} {theirs}, the target now "
+                            f"gives {mine} (the target changed since?)")

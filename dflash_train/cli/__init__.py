@@ -1,0 +1,1 @@
+"""The command lines (argparse + main): dflash-train, -eval, -export, -prepare, -cache. Nothing else imports them."""

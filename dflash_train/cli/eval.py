@@ -1,0 +1,215 @@
+"""`dflash-eval`: acceptance and speed of a drafter under AR, the DFlash chain and DDTree at a sweep of budgets.
+
+    dflash-eval --drafter runs/demo/final --budgets 4,16,64,256 --output runs/demo/eval
+    dflash-eval --drafter D --target T --suite gsm8k --suite mt-bench --temperature 1.0 --repeats 3 --output R
+
+Every prompt is decoded by every method back to back, in an order rotated from prompt to
+prompt (`sweep_order`), so a change in machine load lands on all of them. For each suite and
+method: tau (tokens per target forward, bonus included, macro-averaged over prompts as the
+DDTree paper does), the acceptance-length histogram, the speedup over AR (the median of
+per-prompt time ratios, with a bootstrap interval: dflash_train/evaluation/speed.py), medians of tokens/s
+and of the time per stage (prefill excluded), the speedup predicted at each --concurrency from a
+cost curve measured here (dflash_train/evaluation/costs.py), and at temperature 0 `lossless`: every chain
+and DDTree output equals the AR greedy output token for token. Writes report.json, report.md
+and PNG plots to --output.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import torch
+from pydantic import Field
+from tqdm.auto import tqdm
+
+from dflash_train.checkpoint.folders import (check_matches_target, drafter_fingerprint, load_drafter, resolve_folder,
+                                             trained_for)
+from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.core.outputs import require_free_output, write_atomically
+from dflash_train.core.progress import BAR_INTERVAL
+from dflash_train.core.schema import Open, validated
+from dflash_train.data.dataset import stop_token_ids
+from dflash_train.decoding.decode import TREE_SCORES
+from dflash_train.evaluation.costs import measure_costs, widths_for
+from dflash_train.evaluation.report import write_report
+from dflash_train.evaluation.suites import DEFAULT_SUITE, load_suite
+from dflash_train.evaluation.summary import build_report, hardware_record, scorer_key
+from dflash_train.evaluation.sweep import run_sweep, sweep_order, warm_up
+from dflash_train.model.target import load_target, target_dtype
+
+
+# A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
+# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes the
+# allocator, not the tree, decides; 256 requests already put a 64-node tree at width 16,640.
+MAX_BUDGET = 4096
+MAX_CONCURRENCY = 256
+
+
+def parse_budgets(text: str) -> list[int]:
+    """DDTree budgets; 0 means plain decoding, which always runs (as AR) and is not a tree."""
+    try:
+        budgets = sorted({int(b) for b in text.split(",") if b.strip()})
+    except ValueError:
+        raise UserError(f"--budgets must be comma-separated integers, got '{text}'") from None
+    if not budgets or budgets[0] < 0:
+        raise UserError(f"--budgets must be non-negative integers, got '{text}'")
+    if budgets[-1] > MAX_BUDGET:
+        raise UserError(f"--budgets {budgets[-1]} is above the limit of {MAX_BUDGET} tree nodes (one verify forward "
+                        f"holds [budget+1, vocab] logits and a [budget+1, context+budget+1] mask)")
+    return [b for b in budgets if b > 0]
+
+
+def parse_concurrency(text: str) -> list[int]:
+    try:
+        levels = sorted({int(c) for c in text.split(",") if c.strip()})
+    except ValueError:
+        raise UserError(f"--concurrency must be comma-separated integers, got '{text}'") from None
+    if not levels or levels[0] < 1:
+        raise UserError(f"--concurrency must be integers >= 1, got '{text}'")
+    if levels[-1] > MAX_CONCURRENCY:
+        raise UserError(f"--concurrency {levels[-1]} is above the limit of {MAX_CONCURRENCY} requests (the cost "
+                        "curve runs the drafter on that many contexts at once)")
+    return levels
+
+
+def resolve_device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device '{text}' is not a device (auto, cpu, cuda or cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise UserError(f"--device '{text}' is not supported (auto, cpu, cuda or cuda:N)")
+    if device.type == "cuda":
+        if torch.version.cuda is None:
+            raise UserError(f"--device {text}: this torch build ({torch.__version__}) has no CUDA support")
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {text}: torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return device
+
+
+Ms = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a measured time: positive and finite
+
+
+class DeviceCosts(Open):
+    """A benchmarks/gpu_costs.py JSON (the fields the predictions read)."""
+    verify_ms_by_width: Annotated[dict[Annotated[int, Field(ge=1)], Ms], Field(min_length=1)]
+    draft_ms: Ms
+    draft_ms_by_batch: dict[Annotated[int, Field(ge=1)], Ms] = {}
+    tree_build_ms_by_budget: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0, allow_inf_nan=False)]] = {}
+    device: str | None = None
+
+
+def read_device_costs(path: str | None) -> dict | None:
+    """A benchmarks/gpu_costs.py JSON (verify ms by width, draft ms, ... on another device), read
+    once and checked against DeviceCosts before anything loads: a negative, zero or NaN time would
+    otherwise recommend a budget, or crash after the whole eval."""
+    if path is None:
+        return None
+    where = f"--verify-times '{path}' is not a costs JSON from benchmarks/gpu_costs.py"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where} ({type(e).__name__})") from None
+    validated(DeviceCosts, data, where)
+    return data
+
+
+def parse_args(argv):
+    p = OneLineArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0])
+    p.add_argument("--drafter", required=True, help="drafter folder (from training, or an export)")
+    p.add_argument("--target", default=None, help="target folder or Hub id (default: the one the drafter names)")
+    p.add_argument("--target-revision", default=None)
+    p.add_argument("--suite", action="append", default=None,
+                   help=f"suite name, NAME=local_file or a messages .jsonl (repeatable; default {DEFAULT_SUITE})")
+    p.add_argument("--budgets", default="4,16,64,256", help="DDTree budgets (non-root nodes); 0 = plain decoding")
+    p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
+                   help="a DSpark or DFlash2 drafter's DDTree: path-conditioned (default; DFlash2: by its selector) "
+                        "or from the backbone's marginals")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
+    p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
+    p.add_argument("--repeats", type=int, default=1, help="times the whole interleaved sweep runs (timing samples)")
+    p.add_argument("--concurrency", default="1,4,16",
+                   help="requests sharing one verify forward, for the predicted speedups")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="target and drafter weights: auto = bf16 on a GPU that has it, else fp32; bf16 on a CPU "
+                        "with AVX-512 BF16 verifies ~1.7x faster, but a tree's verify forward rounds differently "
+                        "from AR's, so at temperature 0 outputs can part at near-ties: lossless is exact in fp32")
+    p.add_argument("--verify-times", default=None,
+                   help="costs JSON from benchmarks/gpu_costs.py: also predict speedups on that device")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--output", required=True, help="report folder")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    args = p.parse_args(argv)
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.max_new_tokens < 2:
+        p.error("--max-new-tokens must be >= 2 (the first token comes from the prefill; rounds decode the rest)")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    args.budgets = parse_budgets(args.budgets)
+    args.concurrency = parse_concurrency(args.concurrency)
+    args.device = resolve_device(args.device)
+    return args
+
+
+@cli_guard
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.output)
+    require_free_output(out, args.overwrite, "eval", [("--drafter", args.drafter), ("--target", args.target),
+                                                      ("--verify-times", args.verify_times)])
+    device_costs = read_device_costs(args.verify_times)
+    suites = [load_suite(s, args.limit) for s in (args.suite or [DEFAULT_SUITE])]  # before the target: cheap
+
+    drafter, meta = load_drafter(args.drafter)
+    fingerprint = drafter_fingerprint(drafter)  # of the drafter as stored, before any cast or move
+    device = args.device
+    dtype = target_dtype(args.target_dtype, device)
+    target_id = args.target or meta["target"]["name_or_path"]
+    target = load_target(target_id, revision=args.target_revision or (None if args.target else meta["target"]["revision"]),
+                         dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    check_matches_target(drafter.config, target)
+    drafter.to(device=device, dtype=dtype).eval()
+    stops = stop_token_ids(target.model, target.tokenizer)
+    B = drafter.config.block_size
+
+    methods = [("ar", 0), ("dflash", B - 1)] + [("ddtree", b) for b in args.budgets]
+    order = sweep_order([len(p) for _, p in suites], methods, args.repeats)
+    warm_up(target, drafter, suites[0][1][0], methods, args, stops)
+    bar = tqdm(total=len(order), desc="eval", dynamic_ncols=True, mininterval=BAR_INTERVAL)
+    samples = run_sweep(target, drafter, [p for _, p in suites], order, args, stops, bar)
+    bar.close()
+
+    # The cost curve at the mean context the AR verify forwards saw.
+    ar = [x for x in samples if x.method == "ar"]
+    context = max(1, round(sum(x.context_tokens for x in ar) / max(sum(x.decoded for x in ar), 1)))
+    widths, context_widths = widths_for(max(args.concurrency) * max(b + 1 for _, b in methods))
+    costs = measure_costs(target, drafter, context, args.concurrency, widths=widths,
+                          contexts=[c * context for c in args.concurrency], context_widths=context_widths)
+    args.scores = scorer_key(drafter.config, args.tree_scores)  # which scored costs --verify-times reads
+    report = build_report(args, argv, suites, methods, samples, costs, device_costs, B)
+    report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
+                   "target_revision": target.revision, "block_size": B,
+                   "target_layer_ids": drafter.config.target_layer_ids,
+                   "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch.")},
+                   "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
+                   "markov_head_type": drafter.config.markov_head_type, "selector_rank": drafter.config.selector_rank,
+                   "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores,
+                   "trained_for": trained_for(resolve_folder(args.drafter))})
+    write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
+    print((out / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

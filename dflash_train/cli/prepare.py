@@ -1,0 +1,231 @@
+"""`dflash-prepare`: chat data -> token ids with an assistant-only loss mask, ready for training.
+
+    dflash-prepare --input data/tiny/train.jsonl --format messages --target data/tiny-target \
+        --output data/prepared/tiny --val-size 200 --shuffle --seed 0 --min-supervised-tokens 8
+    dflash-prepare --input HuggingFaceH4/ultrachat_200k --split train_sft --format ultrachat \
+        --target Qwen/Qwen3-8B --output data/ultrachat-qwen3 --val-fraction 0.01 --shuffle
+    dflash-prepare ... --regenerate --temperature 0 --max-new-tokens 2048    # answers by the target (regenerate.py)
+    dflash-train data.train=data/prepared/tiny/train data.val=data/prepared/tiny/val
+
+Steps: read rows (local .jsonl/.json/.parquet, or a Hub dataset) -> normalise each row to OpenAI
+messages -> optionally let the target rewrite the assistant turns -> render with the target's
+chat template -> token ids and loss mask -> drop unusable rows (counted by reason) -> optional
+shuffle and train/val split -> `Dataset.save_to_disk` folder(s) + `prepare_info.json`.
+
+Output: OUT (no split) or OUT/train and OUT/val, with columns input_ids and loss_mask, one row
+per conversation in input order (unless --shuffle); OUT/prepare_info.json records the input,
+target, template hash, settings and counts; OUT/regenerated.jsonl the target's conversations.
+Bad input stops with one `error:` line and exit code 2, and leaves no OUT behind.
+
+Formats and the loss mask: data/chat.py.
+"""
+
+import argparse
+import json
+import shutil
+import sys
+from collections import Counter
+from dataclasses import asdict
+from itertools import islice
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoTokenizer
+
+from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.core.outputs import require_free_output, write_atomically
+from dflash_train.core.paths import model_source, resolve_input
+from dflash_train.core.progress import BAR_INTERVAL
+from dflash_train.data import regenerate as regen
+from dflash_train.data.chat import (DROP_REASONS, FORMATS, Fields, INFO_FILE, ROLE_NAMES, encode_conversations,
+                                    end_of_turn, input_kind, read_conversations, read_rows, split_indices,
+                                    template_sha256, to_dataset)
+from dflash_train.model.target import LOAD_ERRORS, first_line, load_target, target_dtype
+
+
+def parse_args(argv):
+    p = OneLineArgumentParser(prog="dflash-prepare", description=__doc__.splitlines()[0],
+                              epilog="Then: dflash-train data.train=OUT/train data.val=OUT/val")
+    p.add_argument("--input", required=True, help="a .jsonl/.json/.parquet file, or a Hub dataset id (owner/name)")
+    p.add_argument("--format", required=True, choices=list(FORMATS))
+    p.add_argument("--split", default="train", help="Hub dataset split (default train)")
+    p.add_argument("--config", default=None, help="Hub dataset config (subset) name")
+    p.add_argument("--messages-field", default=None, help="the row's list of turns (default: per format)")
+    p.add_argument("--role-field", default=None, help="a turn's speaker field (default: per format)")
+    p.add_argument("--content-field", default=None, help="a turn's text field (default: per format)")
+    p.add_argument("--role-map", action="append", default=[], metavar="NAME=ROLE",
+                   help="map a speaker name to system/user/assistant (repeatable; human=user, gpt=assistant "
+                        "are built in)")
+    p.add_argument("--max-rows", type=int, default=None, help="read only the first N rows")
+    p.add_argument("--strict", action="store_true", help="a malformed row is an error (default: skipped, counted)")
+    p.add_argument("--target", required=True, help="target folder or Hub id (its tokenizer and chat template)")
+    p.add_argument("--target-revision", default=None)
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=False,
+                   help="passed to the chat template as enable_thinking (Qwen3); DFlash drafters are trained "
+                        "with thinking off (default)")
+    p.add_argument("--max-length", type=int, default=3072, help="tokens per conversation; longer ones are cut "
+                                                                 "(default 3072, DFlash's)")
+    p.add_argument("--min-supervised-tokens", type=int, default=32,
+                   help="drop conversations with fewer assistant tokens after cutting (default 32 = 2 x DFlash's "
+                        "block size 16, as DFlash drops them)")
+    p.add_argument("--shuffle", action="store_true", help="shuffle rows (seeded); default: input order")
+    p.add_argument("--seed", type=int, default=0, help="for shuffling, the val sample and sampling")
+    val = p.add_mutually_exclusive_group()
+    val.add_argument("--val-fraction", type=float, default=None, help="hold out this fraction as OUT/val")
+    val.add_argument("--val-size", type=int, default=None, help="hold out this many rows as OUT/val")
+    p.add_argument("--output", required=True, help="output folder (OUT, or OUT/train + OUT/val with a split)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    g = p.add_argument_group("regeneration (the target writes the assistant turns; see dflash_train/data/regenerate.py)")
+    g.add_argument("--regenerate", action="store_true", help="replace every assistant turn by the target's answer")
+    g.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--max-new-tokens", type=int, default=2048, help="per assistant turn")
+    g.add_argument("--keep-truncated", action="store_true",
+                   help="keep answers cut by --max-new-tokens, supervised up to the cut with no end-of-turn token; "
+                        "a cut answer ends its conversation (default: drop the conversation)")
+    g.add_argument("--batch-size", type=int, default=16, help="conversations per generate call")
+    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (transformers backend)")
+    g.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="the target's weights while it answers: auto = bf16 on a GPU that has it, else fp32; "
+                        "bf16 on a CPU with AVX-512 BF16 is ~2x faster")
+    args = p.parse_args(argv)
+    if args.val_fraction is not None and not 0 < args.val_fraction < 1:
+        p.error("--val-fraction must be in (0, 1)")
+    for name in ["val_size", "max_rows", "max_length", "max_new_tokens", "batch_size"]:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.min_supervised_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
+        p.error("--min-supervised-tokens and --temperature must be >= 0, --top-p in (0, 1]")
+    return args
+
+
+def fields_from(args) -> Fields:
+    messages, role, content = FORMATS[args.format]
+    roles = dict(ROLE_NAMES)
+    for item in args.role_map:
+        name, _, role_to = item.partition("=")
+        if role_to not in ("system", "user", "assistant"):
+            raise UserError(f"--role-map '{item}' must be NAME=system, NAME=user or NAME=assistant")
+        roles[name] = role_to
+    return Fields(args.messages_field or messages, args.role_field or role, args.content_field or content, roles)
+
+
+def load_tokenizer(args):
+    try:
+        return AutoTokenizer.from_pretrained(args.target, revision=args.target_revision,
+                                             trust_remote_code=args.trust_remote_code)
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot load the tokenizer of target '{args.target}': {first_line(e)}") from None
+
+
+def run_regeneration(args, tokenizer, conversations, eot: str, out: Path):
+    """The target answers every turn (regenerate.py). Returns per conversation the new messages
+    or a drop reason, the settings and counts for prepare_info.json, and the work folder."""
+    s = regen.Sampling(args.backend, args.temperature, args.top_p, args.max_new_tokens, args.seed, args.batch_size,
+                       args.enable_thinking, args.keep_truncated)
+    if args.backend == "vllm":
+        stops = regen.stop_token_ids(tokenizer, eot)
+        generate = regen.vllm_generate(args.target, args.target_revision, args.trust_remote_code, stops, s)
+    else:
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        target = load_target(args.target, revision=args.target_revision, device=device,
+                             dtype=target_dtype(args.target_dtype, device), trust_remote_code=args.trust_remote_code)
+        stops = regen.stop_token_ids(tokenizer, eot, target.model.generation_config.eos_token_id)
+        generate = regen.transformers_generate(target, stops, s)
+    record = asdict(s) | {"target": args.target, "target_revision": args.target_revision,
+                          "template_sha256": template_sha256(tokenizer), "stop_token_ids": stops}
+    work = out.with_name(f"{out.name}.work")
+    results, stats = regen.regenerate(conversations, tokenizer, generate, s, work, record)
+    return results, record | {"stats": stats}, work
+
+
+@cli_guard
+def main(argv=None):
+    args = parse_args(argv)
+    out = Path(args.output)
+    require_free_output(out, args.overwrite, "prepare", [("--input", args.input), ("--target", args.target)])
+    args.input, args.target = resolve_input(args.input), model_source(args.target, "target")
+    if args.regenerate and args.backend == "vllm":
+        regen.import_vllm()  # fail before reading anything
+    elif args.backend == "vllm":
+        raise UserError("--backend applies to --regenerate only")
+    kind = input_kind(args.input)
+    fields = fields_from(args)
+    tokenizer = load_tokenizer(args)
+    eot = end_of_turn(tokenizer)
+
+    # --- read and normalise ----------------------------------------------------------------------
+    rows = read_rows(args.input, kind, args.split, args.config)
+    conversations, counts = read_conversations(islice(rows, args.max_rows), args.format, fields, args.strict,
+                                               args.input)
+    dropped = Counter(dict.fromkeys(DROP_REASONS, 0))
+    regeneration, work = None, None
+    if args.regenerate:
+        results, regeneration, work = run_regeneration(args, tokenizer, conversations, eot, out)
+        dropped.update(r for r in results if isinstance(r, str))
+        conversations = [r for r in results if not isinstance(r, str)]
+
+    # --- tokenize and mask -----------------------------------------------------------------------
+    kept, truncated = [], 0
+    encoded = encode_conversations(tokenizer, conversations, eot, args.max_length, args.enable_thinking)
+    for r in tqdm(encoded, total=len(conversations), desc="tokenize", unit="conv", mininterval=BAR_INTERVAL):
+        if isinstance(r, str):
+            dropped[r] += 1
+        elif sum(r[1]) < args.min_supervised_tokens:
+            dropped["too_few_supervised_tokens"] += 1
+        else:
+            kept.append(r)
+            truncated += len(r[0]) == args.max_length
+    summary = (f"{counts.read} rows read from {args.input}, {counts.malformed} malformed; kept {len(kept)}, dropped "
+               f"{sum(dropped.values())}" + "".join(f", {k} {v}" for k, v in dropped.items() if v))
+    if not kept:
+        raise UserError(f"no usable conversation: {summary}"
+                        + (f" (first malformed: {counts.examples[0]})" if counts.examples else ""))
+
+    # --- split and write -------------------------------------------------------------------------
+    n = len(kept)
+    val_size = args.val_size or (max(1, round(args.val_fraction * n)) if args.val_fraction else 0)
+    if val_size >= n:
+        raise UserError(f"a validation split of {val_size} rows leaves no training rows ({n} kept)")
+    train_idx, val_idx = split_indices(n, args.shuffle, args.seed, val_size)
+    info = {
+        "input": args.input, "split": args.split if kind == "hub" else None, "config": args.config,
+        "format": args.format, "fields": asdict(fields),
+        "target": {"name_or_path": args.target, "revision": args.target_revision},
+        "template": {"sha256": template_sha256(tokenizer), "end_of_turn": eot},
+        "enable_thinking": args.enable_thinking, "max_length": args.max_length,
+        "min_supervised_tokens": args.min_supervised_tokens,
+        "counts": {"read": counts.read, "malformed": counts.malformed, "kept": n, "dropped": dict(dropped),
+                   "truncated_to_max_length": truncated},
+        "malformed_examples": counts.examples,
+        "splits": {"train": len(train_idx), "val": len(val_idx)} if val_size else {"all": n},
+        "shuffle": args.shuffle, "seed": args.seed,
+        "tokens": {"total": sum(len(r[0]) for r in kept), "supervised": sum(sum(r[1]) for r in kept)},
+        "regeneration": regeneration,
+    }
+
+    def write(tmp: Path):
+        if val_size:
+            to_dataset([kept[i] for i in train_idx]).save_to_disk(str(tmp / "train"))
+            to_dataset([kept[i] for i in val_idx]).save_to_disk(str(tmp / "val"))
+        else:
+            to_dataset([kept[i] for i in train_idx]).save_to_disk(str(tmp))
+        if args.regenerate:
+            with open(tmp / "regenerated.jsonl", "w") as f:
+                for messages in conversations:
+                    f.write(json.dumps({"messages": messages}) + "\n")
+        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+    write_atomically(out, write, "prepare")
+    if work is not None:
+        shutil.rmtree(work, ignore_errors=True)  # finished: nothing left to resume
+    parts = f"train {len(train_idx)} / val {len(val_idx)}" if val_size else f"{n} rows"
+    print(summary)
+    print(f"wrote {parts}, {info['tokens']['total']:,} tokens ({info['tokens']['supervised']:,} supervised) to {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

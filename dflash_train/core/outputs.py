@@ -1,0 +1,161 @@
+"""Paths out: what an output may replace, and how it is written.
+
+Every folder this toolkit writes (a training run, an eval report, an export, a prepared dataset,
+a hidden-state cache, a drafter) carries a marker file, `.dflash-train.json`, naming the tool and
+the kind of folder. `--overwrite` / `overwrite=true` only ever replaces a folder with that marker
+and of the same kind; any other non-empty folder is refused. An output is written beside the old
+one (a temporary sibling) and swapped in at the very end, so a failure leaves the old output as it
+was. An output may not be, hold or lie inside one of the command's inputs (core/paths.py finds them).
+"""
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+from dflash_train import __version__
+from dflash_train.core.errors import UserError
+from dflash_train.core.paths import resolve_input
+
+MARKER = ".dflash-train.json"
+KINDS = {"train": "a training run", "eval": "an eval report", "export": "an export",
+         "prepare": "a prepared dataset", "cache": "a hidden-state cache", "drafter": "a drafter"}
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it; done once, at import
+    os.umask(mask)
+    return mask
+
+
+UMASK = _read_umask()
+
+
+def _local(value) -> Path | None:
+    if value is None:
+        return None
+    path = Path(resolve_input(str(value)))
+    return path if path.exists() else None
+
+
+Inputs = list[tuple[str, str | None]]  # (flag or key, value as given) of a command's inputs
+
+
+def refuse_overlap(out: Path, inputs: Inputs, flag: str) -> None:
+    """An output must not be an input, hold one, or lie inside one (replacing it would delete it)."""
+    target = Path(out).expanduser().resolve()
+    for name, value in inputs:
+        path = _local(value)
+        if path is None:
+            continue
+        if target == path:
+            relation = "is"
+        elif path.is_relative_to(target):
+            relation = "holds"
+        elif target.is_relative_to(path):
+            relation = "is inside"
+        else:
+            continue
+        raise UserError(f"{flag} '{out}' {relation} the {name} '{value}': write the output somewhere else")
+
+
+# --- outputs ---------------------------------------------------------------------------------------
+
+def marker_kind(folder: Path) -> str | None:
+    """The kind of output a folder holds, None when this toolkit did not write it."""
+    try:
+        return json.loads((Path(folder) / MARKER).read_text())["kind"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_marker(folder: Path, kind: str) -> None:
+    (Path(folder) / MARKER).write_text(json.dumps({"tool": "dflash-train", "kind": kind,
+                                                   "version": __version__}) + "\n")
+
+
+def check_folder_path(out: Path, flag: str) -> None:
+    """`out` can be a folder: it is not a file, and no file stands where one of its parents should be."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{flag} '{out}' is a file, not a folder")
+    for parent in out.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"{flag} '{out}' cannot be created: '{parent}' is a file")
+            return
+
+
+def is_empty(out: Path) -> bool:
+    return not out.exists() or not any(out.iterdir())
+
+
+def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
+                        flag: str = "--output") -> None:
+    """Before any work: `out` is absent or empty, or (with --overwrite) an output of this kind that
+    this toolkit wrote; it is not one of the inputs, nor inside one, nor around one."""
+    out = Path(out)
+    check_folder_path(out, flag)
+    refuse_overlap(out, inputs, flag)
+    if is_empty(out):
+        return
+    found = marker_kind(out)
+    if found is None:
+        raise UserError(f"{flag} '{out}' is not empty and was not written by dflash-train (no {MARKER}): "
+                        "choose another folder, or empty it yourself")
+    if found != kind:
+        raise UserError(f"{flag} '{out}' holds {KINDS.get(found, found)}, not {KINDS[kind]}: choose another folder")
+    if not overwrite:
+        raise UserError(f"{flag} '{out}' is not empty: it holds {KINDS[kind]} (pass --overwrite to replace it)")
+
+
+def sibling(out: Path, tag: str) -> Path:
+    """A hidden folder next to `out` (same file system, so a rename is atomic)."""
+    return out.with_name(f".{out.name}.{tag}-{os.getpid()}")
+
+
+def match_umask(path: Path) -> None:
+    """safetensors writes its files with mode 0600; give every file the mode the user's umask gives
+    (0644 usually), so a server running as another user can read the weights."""
+    path = Path(path)
+    for f in [path] if path.is_file() else path.rglob("*"):
+        if f.is_file() and not f.is_symlink():
+            os.chmod(f, 0o666 & ~UMASK)
+
+
+def replace_folder(new: Path, out: Path) -> None:
+    """Swap `new` in at `out`. An old `out` is moved aside first and deleted after the swap."""
+    if not out.exists():
+        os.replace(new, out)
+        return
+    old = sibling(out, "old")
+    os.replace(out, old)
+    os.replace(new, out)
+    shutil.rmtree(old)
+
+
+def write_atomically(out: Path, write: Callable[[Path], None], kind: str) -> None:
+    """Run write(tmp) on a temporary sibling folder, mark it as `kind`, then swap it in at `out`.
+    The caller has checked that `out` may be replaced (require_free_output)."""
+    out = Path(out)
+    tmp = sibling(out, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        write(tmp)
+        write_marker(tmp, kind)
+        match_umask(tmp)
+        replace_folder(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def file_sha256(path: Path) -> str:
+    """SHA-256 of one file, read in 1 MiB pieces (wheels, cache shards)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,51 @@
+"""Paths in: where an input is, and where the checkout is (`ROOT`).
+
+Inputs: a relative path is taken from the current folder, else from the dflash-train checkout
+(the bundled recipes/, data/ and eval/), so the defaults work from any folder. A local model or
+drafter is recorded by its absolute path; a Hub id stays an id.
+"""
+
+from pathlib import Path
+
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
+
+from dflash_train.core.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: recipes/, data/, eval/ (dflash_train/core/paths.py)
+
+
+# --- inputs ----------------------------------------------------------------------------------------
+
+def resolve_input(value: str) -> str:
+    """An existing local path -> its absolute path (relative ones from the current folder, else from
+    the checkout); anything else (a Hub id, a missing path) as given."""
+    path = Path(value).expanduser()
+    for candidate in ([path] if path.is_absolute() else [Path.cwd() / path, ROOT / path]):
+        if candidate.exists():
+            return str(candidate.resolve())
+    return value
+
+
+def is_hub_id(value: str) -> bool:
+    """`name` or `owner/name` as the Hub spells them, and not a typo in a local path (`data/tiny-targt`
+    when `data/` is a local folder)."""
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    owner = value.split("/")[0]
+    return "/" not in value or not any((base / owner).is_dir() for base in (Path.cwd(), ROOT))
+
+
+def model_source(value: str, what: str) -> str:
+    """A model or drafter given as a folder or a Hub id -> the folder's absolute path or the id.
+    A path that is not there is 'not found', never a Hub error."""
+    resolved = resolve_input(value)
+    if Path(resolved).is_dir():
+        return resolved
+    if Path(resolved).exists():
+        raise UserError(f"{what} '{value}' is a file, not a model folder")
+    if not is_hub_id(value):
+        raise UserError(f"{what} not found: '{value}' (no such folder)")
+    return value

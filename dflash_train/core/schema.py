@@ -1,0 +1,57 @@
+"""Files read from the user go through a pydantic model before use; a violation is one line
+naming the file and the field (a UserError: `error: ...`, exit 2). The models live beside
+their readers (drafter configs in formats.py, eval reports in report.py, suites in suites.py,
+manifests in data/hs_cache.py, trainer state in checkpoint/folders.py)."""
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dflash_train.core.errors import UserError
+
+
+class Strict(BaseModel):
+    """A file part we write ourselves: an unknown key is an error."""
+    model_config = ConfigDict(extra="forbid")
+
+
+class Open(BaseModel):
+    """A file part others write too (speculators, z-lab, newer versions): unknown keys are kept, unread."""
+    model_config = ConfigDict(extra="allow")
+
+
+def describe(e: ValidationError) -> str:
+    """The first violation as `field 'a.b.0': what is wrong (got value)`."""
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if err["type"] == "extra_forbidden":
+        return f"unknown field '{key}'"
+    if err["type"] == "missing":
+        return f"field '{key}' is missing"
+    if err["type"] in ("value_error", "assertion_error"):  # our own checks: the message names the values
+        return f"field '{key}': {msg}" if key else msg
+    got = repr(err["input"])
+    got = got if len(got) <= 60 else got[:57] + "..."
+    return f"field '{key}': {msg} (got {got})" if key else msg
+
+
+def validated(model: type[BaseModel], data, where: str):
+    """model.model_validate(data), or a UserError `<where>: <the violation>`."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise UserError(f"{where}: {describe(e)}") from None
+
+
+def read_json(path: Path, model: type[BaseModel]):
+    """A JSON file we wrote (a manifest, a checkpoint's state) -> `model`; unreadable, truncated or
+    malformed -> one UserError line naming the file (and the field)."""
+    try:
+        obj = json.loads(path.read_text())
+    except OSError as e:
+        raise UserError(f"cannot read '{path}' ({e.strerror or type(e).__name__})") from None
+    except ValueError as e:  # truncated or not JSON
+        raise UserError(f"'{path}' is not valid JSON ({e}): it is damaged or was not written by dflash-train") from None
+    return validated(model, obj, f"'{path}'")

@@ -1,0 +1,1 @@
+"""Speculative decoding: the draft tree (DDTree) and the one loop for AR, the chain and DDTree."""

@@ -1,0 +1,109 @@
+"""dflash-eval's interleaved sweep: every prompt decoded by every method back to back.
+
+The methods' order rotates from prompt to prompt (`sweep_order`), so a change in machine load
+lands on all of them. A `Sample` holds one prompt (all its turns) decoded by one method in one
+repeat: acceptance lengths, outputs, the time per stage, spine and calibration counts.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_train.decoding.ddtree import add_cells
+from dflash_train.decoding.decode import STAGES, decode
+from dflash_train.evaluation.suites import Prompt
+
+
+@dataclass
+class Sample:
+    """One prompt (all its turns) decoded by one method in one repeat of the sweep."""
+    suite: int  # index into the suites
+    prompt: int
+    repeat: int
+    method: str
+    budget: int
+    accept_lengths: list[int] = field(default_factory=list)  # per round, all turns
+    outputs: list[list[int]] = field(default_factory=list)  # per turn: generated tokens
+    stage_s: dict = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))  # prefill excluded
+    prefill_s: float = 0.0
+    decoded: int = 0  # tokens produced by decode rounds (each turn's first token comes from its prefill)
+    context_tokens: int = 0  # sum over decoded tokens of the context they were verified after
+    spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode.DecodeResult.spine, summed
+    confidence: list[list[float]] | None = None  # decode.DecodeResult.confidence, summed (DSpark chain)
+    calibration: dict = field(default_factory=dict)  # decode.DecodeResult.calibration, summed (DDTree)
+
+    @property
+    def decode_s(self) -> float:
+        return sum(self.stage_s.values())
+
+    @property
+    def tau(self) -> float:
+        return sum(self.accept_lengths) / len(self.accept_lengths) if self.accept_lengths else float("nan")
+
+    @property
+    def tpot(self) -> float:
+        """Decode seconds per decoded token (NaN when nothing was decoded)."""
+        return self.decode_s / self.decoded if self.decoded else float("nan")
+
+
+def sweep_order(prompt_counts: list[int], methods: list[tuple[str, int]], repeats: int) -> list[tuple]:
+    """The run order: (repeat, suite, prompt, method) for every prompt of every suite in every
+    repeat. Each prompt is decoded by all methods back to back, so a change in machine load
+    lands on every method alike (and is cancelled by the per-prompt ratios); the methods' order
+    rotates by one from prompt to prompt, so none always runs first or right after another."""
+    order, k = [], 0
+    for r in range(repeats):
+        for s, n in enumerate(prompt_counts):
+            for i in range(n):
+                shift = k % len(methods)
+                order += [(r, s, i, m) for m in methods[shift:] + methods[:shift]]
+                k += 1
+    return order
+
+
+def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, seed: int,
+                  max_new_tokens: int) -> Sample:
+    """All turns of one prompt with sample's method, recorded into `sample` (multi-turn: the
+    target's own replies become the history)."""
+    tok = target.tokenizer
+    gen = torch.Generator().manual_seed(seed)  # the same for every method and repeat of this prompt
+    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    for turn in prompt.turns:
+        messages.append({"role": "user", "content": turn})
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens, stops, gen,
+                   args.tree_scores)
+        sample.spine = [a + b for a, b in zip(sample.spine, r.spine)]
+        add_cells(sample.calibration, r.calibration)
+        if r.confidence is not None:
+            sample.confidence = r.confidence if sample.confidence is None else [
+                [a + b for a, b in zip(x, y)] for x, y in zip(sample.confidence, r.confidence)]
+        messages.append({"role": "assistant", "content": tok.decode(r.tokens, skip_special_tokens=True)})
+        sample.accept_lengths += r.accept_lengths
+        sample.outputs.append(r.tokens)
+        n = len(r.tokens) - 1
+        sample.decoded += n
+        sample.context_tokens += n * ids.shape[1] + n * (n + 1) // 2
+        sample.prefill_s += r.prefill_s
+        for s in STAGES:
+            sample.stage_s[s] += r.stage_s[s]
+    return sample
+
+
+def run_sweep(target, drafter, suites: list[list[Prompt]], order: list[tuple], args, stops, bar) -> list[Sample]:
+    samples = []
+    for r, s, i, (method, budget) in order:
+        bar.set_postfix(repeat=r, method=f"{method}@{budget}" if method == "ddtree" else method)
+        samples.append(decode_prompt(target, drafter, suites[s][i], Sample(s, i, r, method, budget), args, stops,
+                                     args.seed * 100_003 + i, args.max_new_tokens))
+        bar.update(1)
+    return samples
+
+
+def warm_up(target, drafter, prompt: Prompt, methods, args, stops) -> None:
+    """Decode one prompt once per method, untimed: the first calls pay one-off costs
+    (allocator growth, kernel selection) that would otherwise land on whichever method runs first."""
+    for method, budget in methods:
+        decode_prompt(target, drafter, prompt, Sample(0, 0, 0, method, budget), args, stops, 0,
+                      min(args.max_new_tokens, 32))

@@ -1,0 +1,216 @@
+"""The model card of an export: sections from the drafter, its training recipe and its eval
+reports, filled into model_card_template.md (package data beside this file)."""
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+from huggingface_hub import ModelCard, ModelCardData
+
+from dflash_train.checkpoint.folders import recipe_trained_for
+from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
+from dflash_train.evaluation.report import plural
+from dflash_train.evaluation.speed import verdict_text
+from dflash_train.model.variants.dspark import TREE_CANDIDATES
+
+TEMPLATE = Path(__file__).with_name("model_card_template.md")  # package data (pyproject.toml)
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def pin_text(pin: dict) -> str:
+    if pin["kind"] == "revision":
+        return f"revision `{pin['revision']}` (given with `--verifier-revision`)"
+    if pin["kind"] == "hub_snapshot":
+        return f"Hub commit `{pin['revision']}` (the snapshot in the local Hub cache)"
+    return (f"no Hub revision (a local folder); pinned by the SHA-256 of its weights "
+            f"({', '.join(pin['files'])}): `{pin['sha256']}`")
+
+
+def _speedup_cell(r: dict) -> str:
+    if r["speedup"] is None:
+        return "n/a"
+    iv = r["speedup_interval"]
+    return f"{r['speedup']:.2f}x" + (f" ({iv[0]:.2f}-{iv[1]:.2f})" if iv and iv[0] != iv[1] else "")
+
+
+def acceptance_section(reports: list[dict]) -> str:
+    if not reports:
+        return "No acceptance was measured for this export (no `--eval-report` was given)."
+    out = []
+    for rep in reports:
+        for suite in dict.fromkeys(r["suite"] for r in rep["results"]):
+            rows = [r for r in rep["results"] if r["suite"] == suite]
+            r0 = rows[0]
+            out += [f"**{suite}** ({plural(r0['prompts'], 'prompt')}, temperature {r0['temperature']}, "
+                    f"max {r0['max_new_tokens']} new tokens per turn; target `{rep['target']}`; "
+                    f"{rep['hardware']['device']}):", "",
+                    "| method | budget | tau (tokens per target forward) | lossless | speedup vs plain decoding "
+                    "(90% interval) |", "|---|---:|---:|---|---:|"]
+            for r in rows:
+                lossless = {True: "yes", False: "NO", None: "n/a"}[r["lossless"]]
+                out.append(f"| {r['method']} | {r['budget']} | {r['tau']} | {lossless} | {_speedup_cell(r)} |")
+            out.append("")
+    out.append("tau counts the bonus token; `dflash` is the DFlash chain, `ddtree` a draft tree of "
+               "`budget` nodes verified in one forward, `ar` plain decoding. Speedup: the median over prompts of "
+               "plain decoding's time per token / the method's on the same prompt, all methods run back to back "
+               "per prompt on the hardware named; the interval is a 90% bootstrap over prompts and repeats. "
+               "Values are copied from the eval reports (`eval_reports/` in this repository).")
+    return "\n".join(out)
+
+
+def validated_on_section(reports: list[dict]) -> str:
+    if not reports:
+        return "Not validated: no eval report was given. Not validated on a GPU."
+    seen = {}
+    for rep in reports:
+        hw = rep["hardware"]
+        line = f"- {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
+        if hw.get("cuda"):
+            line += f", CUDA {hw['cuda']}, driver {hw.get('driver')}"
+        seen.setdefault(line, hw["device_type"])
+    text = "\n".join(seen)
+    if "cuda" not in seen.values():
+        text += "\n\nNot validated on a GPU."
+    return text
+
+
+def budget_section(reports: list[dict]) -> str:
+    lines = []
+    for rep in reports:
+        hw = rep["hardware"]["device"]
+        for suite, adv in rep["advice"].items():
+            lines.append(f"- {suite}, measured on {hw}, one request at a time: {verdict_text(adv['measured'])}")
+            for c, v in adv["concurrency"].items():
+                if int(c) > 1:
+                    lines.append(f"- {suite} on {hw}, {c} concurrent requests (predicted from the verify cost "
+                                 f"measured at each width): {verdict_text(v)}")
+            if "device" in adv:
+                for c, v in adv["device"]["concurrency"].items():
+                    lines.append(f"- {suite} on {adv['device']['name']}, {c} request{'s' * (int(c) > 1)} (predicted "
+                                 f"from that device's measured costs): {verdict_text(v)}")
+    if not lines:
+        return "No recommended tree budget (no eval report was given)."
+    return ("Which method to run (dflash-eval's advice; a budget is named only when it beats every other method by "
+            "more than the measured spread, otherwise the methods that cannot be told apart are listed):\n\n"
+            + "\n".join(lines))
+
+
+def run_choice(folder: Path) -> dict | None:
+    """The training run's checkpoint choice (summary.json "chosen", trainer.choose_checkpoint) for a
+    drafter folder inside a run (final/ or checkpoints/step_N/), with "this": whether it is this
+    folder; None elsewhere."""
+    for run in (folder.parent, folder.parent.parent):
+        summary = run / "summary.json"
+        if summary.is_file():
+            chosen = json.loads(summary.read_text()).get("chosen")
+            if chosen:
+                return chosen | {"this": (run / chosen["folder"]).resolve() == folder.resolve()}
+    return None
+
+
+def choice_text(r: dict, choice: dict | None) -> str:
+    """The budget the drafter was trained and chosen for, and its tree distillation, for the card."""
+    lines, trained = [], recipe_trained_for(r)
+    td, budget = trained["tree_distill"], trained["deploy_budget"]
+    if td:
+        lines.append(f"Trained for its tree: every {td['every']} step(s), {td['anchors']} blocks' own {td['budget']}-node "
+                     f"trees were labelled by one verifier forward (ancestor-only mask) and the conditional head's "
+                     f"scores at every node pulled toward the verifier's (KL, weight {td['weight']}).")
+    if (r.get("model") or {}).get("markov_w1_embed"):
+        lines.append("The Markov head's W1 was trained as a table plus the verifier's input embedding times a learned "
+                     "[H, r] map, folded into the table every step (model.markov_w1_embed), so tokens seldom seen "
+                     "before a slot (a tree's siblings) have trained rows; it is served as the plain table.")
+    if choice is not None:
+        what = f"DDTree budget **{choice['budget']}**" if choice["budget"] else "the chain"
+        scores = ", ".join(f"step {s}: {v:.2f}" for s, v in choice["validated"].items())
+        lines.append(f"Chosen for {what} by held-out teacher-forced "
+                     f"{'tree tau' if choice['budget'] else 'chain EAL'} ({scores}): "
+                     + ("this is the best of the validated drafters." if choice["this"] else
+                        f"this checkpoint is not the best; step {choice['step']} (`{choice['folder']}`) is."))
+    elif budget:
+        lines.append(f"Trained for DDTree budget **{budget}** (eval.deploy_budget).")
+    return "\n".join(lines)
+
+
+def training_section(recipe_text: str | None, fmt: str, choice: dict | None = None) -> str:
+    if recipe_text is None:
+        return f"Training recipe not recorded (this drafter was imported from a {fmt} checkpoint)."
+    r = yaml.safe_load(recipe_text)
+    m, d, t, loss, chosen = r["model"], r["data"], r["train"], r["loss"], choice_text(r, choice)
+    return "\n".join([
+        f"Trained with dflash-train against `{m['target']}` for **{r['max_steps']} steps** "
+        f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
+        f"{t['warmup_ratio']} warmup, clip {t['clip_grad']}), {d['num_anchors']} anchors per sequence, "
+        f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} slot weights"
+        f"{' and accept-until-fail' if loss['until_first_failure'] else ''}"
+        + (f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
+           if m.get("variant") == "dspark" and m.get("confidence_head") else "")
+        + (f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
+           if m.get("variant") == "dflash2" else "."),
+        f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
+        *(["", chosen] if chosen else []),
+        "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml", recipe_text.strip(),
+        "```", "", "</details>"])
+
+
+def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
+               reports: list[dict], source_format: str, serve_ref: str, license_id: str,
+               choice: dict | None = None) -> ModelCard:
+    hub_verifier = pin["name_or_path"] if HUB_ID.match(pin["name_or_path"] or "") and not Path(
+        pin["name_or_path"]).exists() else None
+    datasets = []
+    if recipe_text:
+        d = yaml.safe_load(recipe_text)["data"]
+        datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
+    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    name = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[cfg.variant]
+    card_data = ModelCardData(base_model=hub_verifier, library_name="speculators" if fmt == SPECULATORS else "vllm",
+                              tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
+                              + [cfg.variant] * (dspark or dflash2),
+                              license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
+    algorithm_text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
+    if dspark:
+        algorithm_text = (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
+                          f"(rank {cfg.markov_rank}) conditions each slot on the token drafted before it"
+                          + ("; a confidence head predicts each slot's acceptance" if cfg.confidence_head else ""))
+    if dflash2:
+        algorithm_text = (f"DFlash2: the DFlash block forward with {cfg.conv_kernel_size}-tap dynamic convolutions "
+                          f"around every sublayer (within the block), then a rank-{cfg.selector_rank} candidate "
+                          f"selector re-ranks each slot's top-{cfg.selector_top_k} tokens given the token before it")
+    if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
+        spec = json.dumps({"method": "dspark", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
+                f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
+    elif fmt == SPECULATORS and dflash2:  # vLLM 0.33 reads `dflash2` as DFlash2DraftModel under method dflash
+        vllm = f"vllm serve {serve_ref}   # DFlash2DraftModel, method dflash, read from config.json"
+    elif fmt == SPECULATORS:
+        vllm = f"vllm serve {serve_ref}"
+    else:
+        spec = json.dumps({"method": "dflash", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        vllm = f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'"
+    extra = "" if pin["kind"] != "content_sha256" else (
+        "- The verifier is a local folder with no Hub revision; publish it or re-export with "
+        "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
+    if dspark and cfg.markov_head_type != "vanilla":
+        extra += ("\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head only: "
+                  f"this `{cfg.markov_head_type}` head's weights are not served there (speculators and dflash-train "
+                  "load them).")
+    if dspark:
+        extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with the "
+                  f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark "
+                  "chain.")
+    if dflash2:
+        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from dflash-train's decoder, "
+                  "whose tree ranks each node's children by the selector given that node's token.")
+    return ModelCard.from_template(
+        card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",
+        algorithm=name, algorithm_text=algorithm_text,
+        verifier=verifier,
+        verifier_md=f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier else f"`{verifier}`",
+        format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
+        block_size=cfg.block_size, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+        taps=cfg.target_layer_ids, aux_ids=[k + 1 for k in cfg.target_layer_ids], mask_token=f"`{mask_token}`",
+        mask_token_id=cfg.mask_token_id, params=f"{params:,}", training=training_section(recipe_text, source_format, choice),
+        acceptance=acceptance_section(reports), validated_on=validated_on_section(reports),
+        vllm_command=vllm, budget_text=budget_section(reports), extra_limitations=extra)

@@ -1,0 +1,408 @@
+"""The DFlash drafter: a small non-causal block model conditioned on tapped target states.
+
+Shapes: b batch, t context length, q = block tokens (one block of B at inference, A*B in
+training), H hidden size, h/kvh query/key-value heads, d head dim, n number of taps.
+
+How the target's hidden states enter (DFlash, see shared/reference/dflash.md):
+    taps [b, t, n*H] --fc (no bias)--> [b, t, H] --hidden_norm--> ctx [b, t, H]
+    every layer l:  K/V = [k_norm(k_proj_l(ctx)) + RoPE(ctx positions) ; K/V of the block]
+                    Q   = from the block only.
+Each layer projects the context K/V inside its own forward (as the reference models do), so
+per-layer wrappers (FSDP2's fully_shard, activation checkpointing, per-layer compile) see every
+use of a layer's weights inside that layer's call.
+
+In-block attention (`block_attention`): "bidirectional" (DFlash: every slot sees the whole
+block) or "causal" (JetSpec-style: slot i sees slots <= i). Context visibility is the same.
+
+DFlash2 (`variant: dflash2`; z-lab/inco, speculators `models/dflash2/`) wraps each sublayer in a
+pair of token-conditioned grouped convolutions over the block's slots (`GroupedDynamicConv`):
+slot s mixes slots s-k+1..s of its OWN block (never the previous block), initialised to the
+identity, so an untrained DFlash2 computes DFlash. Its candidate selector lives in
+dflash_train/model/variants/dflash2.py.
+
+The target's embeddings and LM head are shared and frozen; they are NOT part of this
+module (its state_dict is exactly the trainable weights, named as Speculators names
+DFlash weights), so the caller embeds the block and applies the LM head.
+"""
+
+import functools
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    rotate_half,
+)
+
+from dflash_train.model.variants import dflash2
+from dflash_train.model.variants.dspark import dspark_heads
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int  # must equal the target's: the drafter shares its embeddings and LM head
+    intermediate_size: int
+    num_hidden_layers: int  # drafter layers
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    block_size: int  # B: [bonus token, MASK x (B-1)]
+    mask_token_id: int
+    # Target decoder layers tapped, z-lab convention: layer k is read as HF
+    # output_hidden_states[k + 1]. Speculators' aux_hidden_state_layer_ids are these + 1.
+    target_layer_ids: list[int]
+    num_target_layers: int | None  # None when imported from a checkpoint that does not record it
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 40960
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 1e6})
+    attention_bias: bool = False
+    # In-block attention: DFlash's bidirectional block, or JetSpec-style causal (slot i sees <= i).
+    block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    # DSpark (dflash_train/model/variants/dspark.py): a Markov logit-bias head of rank markov_rank (0: none) and a
+    # confidence head, whose input includes the Markov embedding when confidence_head_with_markov.
+    variant: str = "dflash"
+    markov_rank: int = 0
+    markov_head_type: str = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+    # DFlash2 (0 for other variants): taps of each local convolution, hidden channels sharing one
+    # dynamic kernel, and the candidate selector's rank and candidates per slot (dflash2.py).
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    def qwen3_config(self) -> Qwen3Config:
+        """The Qwen3 config the drafter's layers are built from (Speculators' transformer_layer_config)."""
+        return Qwen3Config(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            vocab_size=self.vocab_size, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters), attention_bias=self.attention_bias,
+            tie_word_embeddings=False,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, s, d]; cos/sin [b, s, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, c: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx  # its slot in a ContextCache
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.heads * self.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, self.kv_heads * self.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=c.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, s, H] -> k, v [b, kvh, s, d]; k normed and rotated at x's positions."""
+        b, s, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, rope, ctx, ctx_rope, mask, cache: "ContextCache | None" = None):
+        """x [b, q, H] (block, normed), rope = (cos, sin) [b, q, d] at the block's positions;
+        ctx [b, t, H] fused context at ctx_rope's positions (training: the whole sequence;
+        inference: the tokens accepted since the last pass, t may be 0); with `cache`, ctx's
+        K/V are appended to this layer's cached context and the block attends to all of it.
+        mask [b, 1, q, t+q] bool, a flex BlockMask of the same visibility, or None (all visible)."""
+        b, q_len, _ = x.shape
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x).view(b, q_len, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.project_kv(x, cos, sin)
+        ctx_k, ctx_v = self.project_kv(ctx, *ctx_rope)  # [b, kvh, t, d]
+        if cache is not None:
+            ctx_k, ctx_v = cache.update(self.layer_idx, ctx_k, ctx_v)
+        k = torch.cat([ctx_k, k_blk], dim=2)  # [b, kvh, t+q, d]
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        if isinstance(mask, BlockMask):  # block-sparse training mask: only visible tiles are computed
+            attend = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager on CPU: tests only
+            out = attend(q, k, v, block_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's two local convolutions around one sublayer (speculators' GroupedDynamicCausalConv).
+
+    Over the slots s of each block, with G = H / group_size channel groups and k taps:
+        conv(x)[s, c] = sum_{j < k, j <= s} (base[j, c] + delta[s, j, group(c)]) * x[s - j, c]
+    delta = kernel_projection(sublayer input) [q, 2, k, G]: one projection gives the input-side
+    kernel (applied before the sublayer) and the output-side one (applied to its output). Taps
+    that would reach before slot 0 read zeros, so a block never sees the previous one. Identity
+    initialisation: base[:, 0] = 1, the rest and kernel_projection 0."""
+
+    def __init__(self, hidden_size: int, block_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.block_size, self.kernel_size, self.group_size = block_size, kernel_size, group_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [input/output side, k, H]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, q, H] (q whole blocks) -> (the input-side convolution of x, the output side's
+        dynamic kernel [b, q, k, G], both from x)."""
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
+        return self._convolve(x, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The output-side convolution of the sublayer's output y [b, q, H] with prepare's kernel."""
+        return self._convolve(y, delta, 1)
+
+    def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        b, q, H = x.shape
+        B, k, G, g = self.block_size, self.kernel_size, self.num_groups, self.group_size
+        xs = x.view(b, q // B, B, G, g)  # [b, blocks, slot, group, channel in group]
+        coef = self.base_kernel[side].to(x.dtype).view(k, G, g) + delta.reshape(b, q // B, B, k, G, 1)
+        out = xs * coef[..., 0, :, :]
+        for j in range(1, k):
+            # slot s reads slot s - j of the same block; the first j slots read zeros
+            shifted = F.pad(xs[:, :, :-j], (0, 0, 0, 0, j, 0))
+            out = out + shifted * coef[..., j, :, :]
+        return out.view(b, q, H)
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer whose attention also sees the context K/V (projected here, by this
+    layer); for DFlash2 each sublayer runs between the two sides of its GroupedDynamicConv."""
+
+    def __init__(self, c: Qwen3Config, layer_idx: int, conv: tuple[int, int, int] | None = None):
+        """conv: DFlash2's (block_size, kernel_size, group_size), None for DFlash."""
+        super().__init__()
+        self.self_attn = DFlashAttention(c, layer_idx)
+        self.mlp = Qwen3MLP(c)
+        self.input_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.attention_conv = self.mlp_conv = None
+        if conv is not None:
+            self.attention_conv = GroupedDynamicConv(c.hidden_size, *conv)
+            self.mlp_conv = GroupedDynamicConv(c.hidden_size, *conv)
+
+    def forward(self, x, rope, ctx, ctx_rope, mask, cache: "ContextCache | None" = None):
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope, ctx, ctx_rope, mask, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, delta = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(self.self_attn(h, rope, ctx, ctx_rope, mask, cache), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
+
+
+class ContextCache:
+    """Per-layer K/V of the fused context for inference; grows with accepted tokens, can be cropped.
+
+    `extend_context` queues the fused context of newly accepted tokens; the next draft pass
+    hands it to every layer, which projects it with its own k/v weights and appends it here.
+    Only context lives here: the block's own K/V are recomputed every draft pass, which is
+    what DFlash's `crop(start)` after each pass amounts to.
+    """
+
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ctx [b, s, H], positions [b, s])
+
+    def __len__(self) -> int:
+        cached = 0 if self.k[0] is None else self.k[0].shape[2]
+        return cached + sum(c.shape[1] for c, _ in self.pending)
+
+    def take_pending(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The queued context as one (ctx [b, s, H], positions [b, s]), emptying the queue."""
+        if not self.pending:
+            return None
+        ctx, pos = (torch.cat(parts, dim=1) for parts in zip(*self.pending))
+        self.pending = []
+        return ctx, pos
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append k/v [b, kvh, s, d] to `layer`'s context; returns all of it."""
+        if self.k[layer] is not None:
+            k, v = torch.cat([self.k[layer], k], dim=2), torch.cat([self.v[layer], v], dim=2)
+        self.k[layer], self.v[layer] = k, v
+        return k, v
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` context positions (drop rejected ones, queued or cached)."""
+        cached = 0 if self.k[0] is None else self.k[0].shape[2]
+        self.k = [None if k is None else k[:, :, :length] for k in self.k]
+        self.v = [None if v is None else v[:, :, :length] for v in self.v]
+        keep, kept = max(length - cached, 0), []
+        for ctx, pos in self.pending:
+            if keep > 0:
+                kept.append((ctx[:, :keep], pos[:, :keep]))
+            keep -= ctx.shape[1]
+        self.pending = kept
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names: fc, hidden_norm, layers.N.*, norm (the Speculators DFlash names); DFlash2
+    adds layers.N.{attention_conv, mlp_conv}.* and candidate_selector.* (speculators' DFlash2 names)."""
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__()
+        self.config = config
+        c = config.qwen3_config()
+        n_taps = len(config.target_layer_ids)
+        self.fc = nn.Linear(n_taps * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        conv = None
+        if config.variant == "dflash2":
+            conv = (config.block_size, config.conv_kernel_size, config.conv_group_size)
+        self.layers = nn.ModuleList(DFlashDecoderLayer(c, i, conv) for i in range(c.num_hidden_layers))
+        self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(c)  # inv_freq is a non-persistent buffer
+        self.gradient_checkpointing = False  # training sets it from the recipe
+        self.flex_attention = False  # training forward: block-sparse flex attention instead of a dense mask
+        self.apply(self._init_weights)
+        # DSpark's heads (None for DFlash), applied by the caller after the backbone (model/variants/dspark.py)
+        self.markov_head, self.confidence_head = dspark_heads(config)
+        for layer in self.layers:  # DFlash2: back to the identity that _init_weights overwrote
+            for conv_ in (layer.attention_conv, layer.mlp_conv):
+                if conv_ is not None:
+                    conv_.reset_parameters()
+        # DFlash2's candidate selector (None otherwise), applied by the caller after the LM head
+        self.candidate_selector = dflash2.candidate_selector(config)
+
+    @staticmethod
+    def _init_weights(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    @property
+    def causal(self) -> bool:
+        return self.config.block_attention == "causal"
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """taps [b, t, n*H] -> fused context [b, t, H]."""
+        return self.hidden_norm(self.fc(taps))
+
+    def blocks(self, block_embeds, block_positions, ctx, ctx_positions, mask=None, cache=None) -> torch.Tensor:
+        """block_embeds [b, q, H] (target-embedded block tokens) at block_positions [b, q];
+        ctx [b, t, H] fused context at ctx_positions [b, t]; mask [b, 1, q, t'+q] bool, a
+        BlockMask or None; cache: a ContextCache (inference) or None (training).
+        Returns the final-normed block hidden states [b, q, H]; logits = target LM head of these."""
+        rope = self.rotary_emb(block_embeds, block_positions)
+        ctx_rope = self.rotary_emb(ctx, ctx_positions)
+        x = block_embeds
+        for layer in self.layers:
+            if self.gradient_checkpointing and self.training:
+                x = checkpoint(layer, x, rope, ctx, ctx_rope, mask, cache, use_reentrant=False)
+            else:
+                x = layer(x, rope, ctx, ctx_rope, mask, cache)
+        return self.norm(x)
+
+    # --- training: many anchored blocks of one sequence in one pass ---------------------------
+
+    def forward(self, block_embeds, taps, anchors, ctx_valid) -> torch.Tensor:
+        """The training forward (it is `forward` so that DDP/FSDP wrappers see it).
+        block_embeds [b, A*B, H]; taps [b, T, n*H]; anchors [b, A] (block j starts at
+        anchors[:, j]); ctx_valid [b, T] bool (False on padding). Returns hidden [b, A*B, H]."""
+        b, T, _ = taps.shape
+        positions = torch.arange(T, device=taps.device).expand(b, T)
+        offsets = torch.arange(self.config.block_size, device=taps.device)
+        block_positions = (anchors[:, :, None] + offsets).flatten(1)  # [b, A*B]
+        mask_fn = anchored_block_block_mask if self.flex_attention else anchored_block_mask
+        mask = mask_fn(anchors, ctx_valid, self.config.block_size, self.causal)
+        return self.blocks(block_embeds, block_positions, self.fuse(taps), positions, mask)
+
+    # --- inference: one block against a growing context cache ---------------------------------
+
+    def extend_context(self, cache: ContextCache, taps: torch.Tensor, positions: torch.Tensor) -> None:
+        """Queue newly accepted tokens (taps [b, s, n*H] at positions [b, s]) as context; the
+        layers project and cache them in the next `forward_cached`."""
+        cache.pending.append((self.fuse(taps), positions))
+
+    def forward_cached(self, block_embeds, block_positions, cache: ContextCache) -> torch.Tensor:
+        """One block [b, B, H] at positions [b, B] attending to all context: the cached K/V
+        and the queued context, which this pass caches."""
+        new = cache.take_pending()
+        if new is None:  # nothing accepted since the last pass: an empty context chunk
+            b, H = block_embeds.shape[0], block_embeds.shape[-1]
+            new = (block_embeds.new_zeros(b, 0, H), block_positions[:, :0])
+        mask = None
+        if self.causal:  # all context visible, the block causal; the context length is known once cached
+            t, q = len(cache) + new[0].shape[1], block_embeds.shape[1]
+            mask = torch.ones(q, t + q, dtype=torch.bool, device=block_embeds.device)
+            mask[:, t:] = torch.tril(mask[:, t:])
+            mask = mask[None, None]
+        return self.blocks(block_embeds, block_positions, new[0], new[1], mask, cache)
+
+
+def anchored_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int,
+                        causal: bool = False) -> torch.Tensor:
+    """Visibility [b, 1, A*B, T + A*B] for the training forward (True = may attend).
+
+    A query in block j sees context positions strictly before its anchor (the anchor
+    token itself is block slot 0, its target state is not known yet at inference time)
+    and the slots of its own block: all of them (bidirectional) or those at or before its
+    own slot (causal); blocks never see each other.
+    """
+    b, A = anchors.shape
+    T = ctx_valid.shape[1]
+    kv_pos = torch.arange(T, device=anchors.device)
+    q_anchor = anchors.repeat_interleave(block_size, dim=1)  # [b, A*B]
+    sees_ctx = (kv_pos[None, None, :] < q_anchor[:, :, None]) & ctx_valid[:, None, :]  # [b, A*B, T]
+    slot = torch.arange(A * block_size, device=anchors.device)
+    sees_block = slot[:, None] // block_size == slot[None, :] // block_size  # [A*B, A*B]
+    if causal:
+        sees_block = sees_block & (slot[:, None] >= slot[None, :])
+    return torch.cat([sees_ctx, sees_block.expand(b, -1, -1)], dim=2).unsqueeze(1)
+
+
+def anchored_block_block_mask(anchors: torch.Tensor, ctx_valid: torch.Tensor, block_size: int,
+                              causal: bool = False) -> BlockMask:
+    """The same visibility as `anchored_block_mask` as a flex-attention BlockMask: with 512
+    anchors x 16 slots over 3072 context tokens the dense mask is ~97% hidden, and flex
+    attention skips the hidden 128x128 tiles instead of computing and masking them."""
+    b, A = anchors.shape
+    T = ctx_valid.shape[1]
+
+    def visible(bi, h, q_idx, kv_idx):
+        q_block = q_idx // block_size
+        in_ctx = kv_idx < T
+        sees_ctx = (kv_idx < anchors[bi, q_block]) & ctx_valid[bi, kv_idx.clamp(max=T - 1)]
+        sees_block = (kv_idx - T) // block_size == q_block
+        if causal:
+            sees_block = sees_block & (kv_idx - T <= q_idx)
+        return torch.where(in_ctx, sees_ctx, sees_block)
+
+    return create_block_mask(visible, B=b, H=None, Q_LEN=A * block_size, KV_LEN=T + A * block_size,
+                             device=anchors.device)
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once (eager flex attention materialises the scores and is slow)."""
+    return torch.compile(flex_attention, dynamic=True)

@@ -1,0 +1,243 @@
+"""DFlash2's candidate selector (z-lab/inco; speculators `models/dflash2/`, vLLM 0.33 `qwen3_dflash2.py`).
+
+The backbone (DFlash with local convolutions, dflash_train/model/drafter.py) gives each drafted slot t
+unary logits U_t = lm_head(h_t). The selector re-ranks slot t's top-K unary candidates C_t given
+the token a at slot t-1 (for slot 1: the bonus token):
+
+    S_t(a, b) = U_t(b) + < P[a] * (W_h h_t), Q[b] >        b in C_t (K = selector_top_k)
+
+P, Q [V, r] are the predecessor and successor codebooks and W_h [r, H] the hidden projection
+(rank r = selector_rank; speculators' names: candidate_selector.{predecessor_codebook,
+successor_codebook, hidden_projection.weight}); h_t is the backbone's final-normed state.
+
+Training (as speculators trains it; z-lab published no objective): teacher-forced, a = the
+data's token at slot t-1, a K-way cross-entropy over C_t toward the slot's label (the target's
+greedy token); a label outside the unary top-K replaces the K-th candidate, so every slot has a
+target. It is weighted per slot like the base loss (exp, or D-PACE from the selector's own CE)
+and added with weight `loss.selector_weight` (`selector_loss`). Its gradient also reaches the
+backbone, through U_t(b) and W_h h_t.
+
+Decoding: the greedy chain walks the selector as vLLM does (`selector_chain`: slot t picks
+argmax_b S_t(a, b) with a the token it picked at slot t-1), and the draft tree ranks every
+node's children by the selector given the node's own token (`SelectorScorer`, for
+`ddtree.build_tree`). Both come from one [L, K, K] table of edge scores (`edge_scores`).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.model.loss import slot_weights, until_first_failure
+
+
+class CandidateSelector(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        if not 1 <= top_k <= vocab_size:
+            raise ValueError(f"selector_top_k must be in 1..{vocab_size} (the vocabulary), got {top_k}")
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # P [V, r]
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))  # Q [V, r]
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)  # W_h [r, H]
+        for w in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
+            nn.init.normal_(w, std=0.02)  # speculators' initializer_range
+
+    def forward(self, hidden: torch.Tensor, predecessors: torch.Tensor) -> torch.Tensor:
+        """hidden [.., H] (slot t's final-normed states), predecessors [..] (the token at slot t-1)
+        -> the selector's context P[a] * (W_h h) [.., r]; S = U + context . Q[b]. The successor
+        codebook is read by the caller for the candidates only (`candidate_scores`)."""
+        projected = self.hidden_projection(hidden)
+        return self.predecessor_codebook[predecessors] * projected.to(self.predecessor_codebook.dtype)
+
+
+def candidate_selector(config) -> CandidateSelector | None:
+    """The selector a DrafterConfig asks for: None unless variant dflash2."""
+    if config.variant != "dflash2":
+        return None
+    return CandidateSelector(config.vocab_size, config.hidden_size, config.selector_rank, config.selector_top_k)
+
+
+def predecessors(block_tokens: torch.Tensor) -> torch.Tensor:
+    """[.., B] tokens at block slots 0..B-1 -> [.., B-1] the token before each drafted slot 1..B-1."""
+    return block_tokens[..., :-1]
+
+
+def training_candidates(candidates: torch.Tensor, labels: torch.Tensor):
+    """candidates [.., K] (unary top-K), labels [..] -> (candidates with a missing label put in
+    place of the K-th [.., K], the label's position [..], whether the unary top-K held it [..])."""
+    hit = candidates == labels[..., None]
+    contains = hit.any(-1)
+    K = candidates.shape[-1]
+    position = torch.where(contains, hit.long().argmax(-1), K - 1)
+    out = candidates.clone()
+    out[..., -1] = torch.where(contains, candidates[..., -1], labels)
+    return out, position, contains
+
+
+def candidate_scores(unary: torch.Tensor, context: torch.Tensor, successor_codebook: torch.Tensor,
+                     candidates: torch.Tensor) -> torch.Tensor:
+    """unary [.., K] U(b) at the candidates, context [.., r], candidates [.., K] -> S [.., K]."""
+    transition = (context[..., None, :] * successor_codebook[candidates]).sum(-1)
+    return unary + transition.to(unary.dtype)
+
+
+# --- training: the K-way candidate cross-entropy, chunked like the base loss ---------------------
+
+def _selector_pieces(h, context, successor_codebook, head_weight, logits, labels, valid, top_k: int, cfg):
+    """Whole blocks: h [n, K, H] drafter states of slots 1..K, context [n, K, r], logits [n, K, V]
+    (the unary logits, detached: they only choose the candidate sets), labels, valid [n, K] ->
+    (numerator sum_slots w * ce, correct [n, K] (the selector's pick is the label, and the label
+    was among the unary candidates, as decoding needs), contains [n, K] (it was), all valid)."""
+    candidates, position, contains = training_candidates(logits.topk(top_k, dim=-1).indices, labels)
+    # U(b) = h . lm_head[b] at the K candidates only: differentiable in h (the head is frozen)
+    unary = (head_weight[candidates].to(h.dtype) @ h[..., None]).squeeze(-1)  # [n, K, top_k]
+    scores = candidate_scores(unary, context, successor_codebook, candidates).float()
+    ce = F.cross_entropy(scores.flatten(0, 1), position.flatten(), reduction="none").view(position.shape)
+    correct = (scores.argmax(-1) == position) & contains & valid
+    w = slot_weights(valid, ce.detach(), cfg, ce.dtype)  # D-PACE: from the selector's own CE
+    if cfg.until_first_failure:
+        w = w * until_first_failure(correct, valid)
+    return (w * ce).sum(), correct, contains & valid
+
+
+def _chunked_selector(h, context, successor_codebook, head, labels, valid, top_k, cfg, chunk: int, grads):
+    """_selector_pieces over chunks of `chunk` blocks, the unary logits computed per chunk. With
+    `grads` (for h [n, K, H], context [n, K, r], the successor codebook [V, r]), also writes the
+    numerator's gradients there (the codebook's summed over chunks)."""
+    numerator, correct, contains = 0.0, [], []
+    for i in range(0, h.shape[0], chunk):
+        rows = slice(i, i + chunk)
+        with torch.no_grad():
+            logits = head(h[rows])
+        if grads is None:
+            with torch.no_grad():
+                num, c, cont = _selector_pieces(h[rows], context[rows], successor_codebook, head.weight, logits,
+                                                labels[rows], valid[rows], top_k, cfg)
+        else:
+            with torch.enable_grad():
+                leaves = [h[rows].detach().requires_grad_(), context[rows].detach().requires_grad_(),
+                          successor_codebook.detach().requires_grad_()]
+                num, c, cont = _selector_pieces(*leaves, head.weight, logits, labels[rows], valid[rows], top_k, cfg)
+                g_h, g_context, g_codebook = torch.autograd.grad(num, leaves)
+                grads[0][rows], grads[1][rows] = g_h, g_context
+                grads[2].add_(g_codebook)
+            num = num.detach()
+        numerator = numerator + num
+        correct.append(c)
+        contains.append(cont)
+    return numerator, torch.cat(correct), torch.cat(contains)
+
+
+class ChunkedSelectorLoss(torch.autograd.Function):
+    """The selector's numerator chunk by chunk, each chunk's gradients computed in the forward (as
+    loss.ChunkedBlockLoss does): the unary logits that choose the candidates never exist whole."""
+
+    @staticmethod
+    def forward(ctx, h, context, successor_codebook, head, labels, valid, top_k, cfg, chunk):
+        grads = (torch.empty_like(h), torch.empty_like(context), torch.zeros_like(successor_codebook))
+        numerator, correct, contains = _chunked_selector(h, context, successor_codebook, head, labels, valid,
+                                                         top_k, cfg, chunk, grads)
+        ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(correct, contains)
+        return numerator, correct, contains
+
+    @staticmethod
+    def backward(ctx, g, *_):
+        return (*(x * g.to(x.dtype) for x in ctx.saved_tensors), None, None, None, None, None, None)
+
+
+def selector_loss(selector: CandidateSelector, draft_hidden: torch.Tensor, block_tokens: torch.Tensor,
+                  head: nn.Module, labels: torch.Tensor, valid: torch.Tensor, cfg, normalizer):
+    """The selector's K-way candidate CE. draft_hidden [b, A, K, H] (slots 1..K), block_tokens
+    [b, A, B] (the data's tokens at slots 0..B-1: slot t's predecessor is the one at t-1, teacher
+    forcing), head: the target's frozen LM head, labels [b, A, K] (the base loss's), valid
+    [b, A, K], cfg: the recipe's LossConfig, normalizer: the base loss's divisor. Returns
+    (loss_selector = sum w * ce / normalizer, not yet multiplied by loss.selector_weight;
+    correct [b, A, K]: the greedy selector walk's per-slot hits, teacher-forced; contains
+    [b, A, K]: the label was among the slot's unary top-K)."""
+    b, A, K, H = draft_hidden.shape
+    context = selector(draft_hidden, predecessors(block_tokens))  # [b, A, K, r]
+    h, ctx_, lab, ok = (x.reshape(b * A, K, *x.shape[3:]) for x in (draft_hidden, context, labels, valid))
+    top_k, codebook = selector.top_k, selector.successor_codebook
+    if cfg.chunk_slots == 0:
+        with torch.no_grad():
+            logits = head(h)
+        numerator, correct, contains = _selector_pieces(h, ctx_, codebook, head.weight, logits, lab, ok, top_k, cfg)
+    else:
+        chunk = max(1, cfg.chunk_slots // K)
+        if torch.is_grad_enabled() and (h.requires_grad or ctx_.requires_grad):
+            numerator, correct, contains = ChunkedSelectorLoss.apply(h, ctx_, codebook, head, lab, ok, top_k, cfg,
+                                                                     chunk)
+        else:
+            numerator, correct, contains = _chunked_selector(h, ctx_, codebook, head, lab, ok, top_k, cfg, chunk,
+                                                             None)
+    return numerator / normalizer, correct.view(b, A, K), contains.view(b, A, K)
+
+
+# --- decoding: the selector's chain and its scores for the draft tree ------------------------------
+
+@torch.no_grad()
+def edge_scores(selector: CandidateSelector, hidden: torch.Tensor, unary_logits: torch.Tensor, bonus: int):
+    """hidden [L, H] (the drafted slots' final-normed states), unary_logits [L, V], bonus: the
+    block's slot-0 token -> (candidates [L, K] slot t's unary top-K, best first; edges [L, K, K]).
+    edges[t, p, c] = S_{t+1}(a_p, candidates[t, c]) with a_p = candidates[t-1, p] for t > 0 and
+    the bonus token for t = 0 (every row p of edges[0] is the bonus row). As vLLM's _score_edges."""
+    L, V = unary_logits.shape
+    unary, candidates = unary_logits.topk(min(selector.top_k, V), dim=-1)  # [L, K] each
+    before = torch.cat([torch.full_like(candidates[:1], bonus), candidates[:-1]])  # [L, K] slot t-1's tokens
+    context = selector(hidden[:, None, :], before)  # [L, K, r]
+    successors = selector.successor_codebook[candidates]  # [L, K, r]
+    return candidates, unary[:, None, :] + (context @ successors.transpose(1, 2)).to(unary.dtype)
+
+
+@torch.no_grad()
+def selector_chain(selector: CandidateSelector, hidden: torch.Tensor, unary_logits: torch.Tensor,
+                   bonus: int) -> torch.Tensor:
+    """The greedy DFlash2 chain as vLLM's selector walk drafts it: slot 1 takes the best candidate
+    given the bonus token, slot t+1 the best given the one taken at slot t. -> tokens [L] long."""
+    candidates, edges = edge_scores(selector, hidden, unary_logits, bonus)
+    best = edges.argmax(-1).tolist()  # [L, K]: under each predecessor, its best candidate (first on ties)
+    tokens, p = [], 0  # slot 1's predecessor row: the bonus token
+    for t, row in enumerate(candidates.tolist()):
+        p = best[t][p]
+        tokens.append(row[p])
+    return torch.tensor(tokens, dtype=torch.long)
+
+
+class SelectorScorer:
+    """Path-conditioned children for `ddtree.build_tree`: the children of a node carrying token a at
+    depth d are slot d+1's unary top-K candidates C_{d+1}, ranked by the selector given a.
+
+    Their log-probabilities: log q(b | a) = log m_{d+1} + log softmax_{C_{d+1}} S_{d+1}(a, .)(b),
+    where m_t = sum_{b in C_t} softmax(U_t)(b) is the unary mass of slot t's candidates: the
+    selector distributes the chance that the target's token is a candidate at all (its K-way
+    softmax is what it was trained for, and what vLLM samples from). Tokens outside C_t never
+    enter the tree. Scores are sums of per-depth log-probabilities, so the best-first tree holds
+    the top-`budget` prefixes of these candidates. Ties: the better unary rank first (so a node's
+    rank-0 child is the chain's pick). Cost: one [L, K, K] table per block (`edge_scores`), then a
+    row lookup per expanded node."""
+
+    def __init__(self, selector: CandidateSelector, hidden: torch.Tensor, bonus: int):
+        """hidden [B, H]: the block's final-normed states (slot 0, the bonus token's, is not read);
+        bonus: slot 0's token."""
+        self.selector, self.hidden, self.bonus = selector, hidden[1:], bonus
+
+    @torch.no_grad()
+    def expander(self, draft_logits: torch.Tensor, K: int):
+        """draft_logits [L, V] (the unary logits) -> (expand, root token, root carry) for
+        `ddtree.best_first`; expand(token, carry, depth) -> (logp [K'], ids [K'], None), K' = min(K, top_k)."""
+        candidates, edges = edge_scores(self.selector, self.hidden, draft_logits, self.bonus)
+        logits = draft_logits.float()
+        log_mass = torch.logsumexp(logits.gather(-1, candidates), -1) - torch.logsumexp(logits, -1)  # [L]
+        logp = torch.log_softmax(edges.float(), dim=-1) + log_mass[:, None, None]  # [L, K, K]
+        logp, order = logp.sort(dim=-1, descending=True, stable=True)
+        n = min(K, candidates.shape[1])
+        ids = candidates[:, None, :].expand_as(order).gather(-1, order)
+        logp_rows, ids_rows = logp[..., :n].double().tolist(), ids[..., :n].tolist()
+        row_of = [{tok: p for p, tok in enumerate(row)} for row in candidates.tolist()]  # depth d -> token -> p
+
+        def expand(token, carry, depth):
+            p = 0 if depth == 0 else row_of[depth - 1][token]
+            return logp_rows[depth][p], ids_rows[depth][p], None
+
+        return expand, self.bonus, None

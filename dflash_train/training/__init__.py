@@ -1,0 +1,1 @@
+"""Training a drafter: the recipe, the trainer, anchored blocks, engines, tree distillation."""

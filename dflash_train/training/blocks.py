@@ -1,0 +1,129 @@
+"""The anchored-block pass shared by training and validation, and teacher-forced DDTree acceptance.
+
+For a batch [b, T]: anchors [b, A] (block j = [token at anchor j, MASK x (B-1)]), the target's
+taps (online forward or offline cache), one drafter pass over all A*B block tokens, and for
+every drafted slot k = 1..B-1 the drafter's hidden state, the target's hidden state that
+predicts the same token, the data's token there, and whether the slot counts (inside the
+sequence, on an assistant token, anchor valid). Both go through the target's LM head in the
+loss, chunk by chunk (dflash_train/model/loss.py): [b, A, K, V] logits are never built whole.
+A DSpark drafter's heads run on the true previous tokens (teacher forcing): its Markov vectors
+u (the bias is u . W2, added in the loss's chunks) and confidence logits come along.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import extract_model_from_parallel
+
+from dflash_train.data.dataset import Batch, anchor_keys, block_labels_index, sample_anchors
+from dflash_train.data.hs_cache import HiddenStateCache
+from dflash_train.decoding.ddtree import build_tree, spine_counts
+from dflash_train.model.target import Target, target_forward
+from dflash_train.model.variants import dspark
+
+
+@dataclass
+class BlockOutputs:
+    draft_hidden: torch.Tensor  # [b, A, K, H], K = B-1 drafted slots; logits = target.lm_head(.)
+    target_hidden: torch.Tensor  # [b, A, K, H], the target's final-normed state predicting the same tokens
+    tokens: torch.Tensor  # [b, A, K], the data's token at each slot
+    valid: torch.Tensor  # [b, A, K] bool
+    # DSpark (None for DFlash): teacher-forced Markov vectors of slots 1..K, logits += u . W2
+    markov_u: torch.Tensor | None = None  # [b, A, K, r]
+    confidence_logits: torch.Tensor | None = None  # [b, A, K]
+    block_hidden: torch.Tensor | None = None  # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
+    bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
+
+
+def draw_anchors(batch: Batch, num_anchors: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors [b, A] and their validity, drawn per dataset row (see dataset.anchor_keys)."""
+    lengths = batch.attention_mask.sum(1).tolist()
+    keys = anchor_keys(batch.rows, lengths, batch.input_ids.shape[1], seed, step)
+    return sample_anchors(batch.loss_mask, num_anchors, keys)
+
+
+def block_slots(batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor, block_size: int):
+    """Slot k of block j predicts token anchors[j] + k: its position [b, A, K] and validity."""
+    b, T = batch.input_ids.shape
+    pos, inside = block_labels_index(anchors, block_size, T)
+    valid = inside & batch.loss_mask.gather(1, pos.flatten(1)).view(pos.shape) & anchor_valid[..., None]
+    return pos, valid
+
+
+def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
+                    block_size: int, mask_id: int, cache: HiddenStateCache | None = None) -> BlockOutputs:
+    """One target pass (or a cache read) and one drafter pass over every anchored block of the batch,
+    then a DSpark drafter's heads on the true previous tokens."""
+    ids = batch.input_ids
+    b, T = ids.shape
+    A, K = anchors.shape[1], block_size - 1
+    with torch.no_grad():
+        if cache is None:
+            taps, last = target_forward(target, ids, batch.attention_mask, layer_ids)
+        else:
+            taps, last = cache.batch(batch.rows, T, ids.device, target.embed.weight.dtype)
+        block_ids = torch.full((b, A, block_size), mask_id, dtype=torch.long, device=ids.device)
+        block_ids[:, :, 0] = ids.gather(1, anchors)  # slot 0: the anchor (bonus) token
+        block_embeds = target.embed(block_ids.view(b, A * block_size))
+        pos, valid = block_slots(batch, anchors, anchor_valid, block_size)  # [b, A, K]
+        # The target's distribution for the token at a+k is its output at a+k-1.
+        H = last.shape[-1]
+        t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H)).view(b, A, K, H)
+        tokens = ids.gather(1, pos.flatten(1)).view(b, A, K)
+    block_hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool()).view(b, A, block_size, -1)
+    # slots 1..B-1, made contiguous: the LM head is then one matmul per chunk, not A small batched ones
+    hidden = block_hidden[:, :, 1:].contiguous()
+    model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
+    if model.config.variant != "dspark":
+        return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0])
+    block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)  # [b, A, B] the true tokens at slots 0..B-1
+    u, confidence = dspark.teacher_forced(model, block_hidden, block_tokens)
+    return BlockOutputs(hidden, t_hidden, tokens, valid, u, confidence, block_hidden, block_ids[:, :, 0])
+
+
+def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],
+                      max_blocks: int, conditional=None, hidden: torch.Tensor | None = None,
+                      bonus: torch.Tensor | None = None) -> torch.Tensor:
+    """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
+    distributions, walked along the target's tokens (labels) while they are in the tree.
+    With `conditional` (block hidden [B, H], bonus) -> scorer (dspark.MarkovScorer over DSpark's
+    head, dflash2.SelectorScorer over DFlash2's selector), draft_logits are the backbone's and the
+    tree is path-conditioned, on hidden [.., B, H] and the bonus tokens [..].
+    Returns summable counts [len(budgets) + 1 + 4]: accepted tokens per budget, blocks, then
+    the spine counts of the largest tree (ddtree.spine_counts: on-spine hits, nodes, off-spine
+    hits, nodes)."""
+    logits = draft_logits.reshape(-1, *draft_logits.shape[-2:])[: max_blocks]  # [N, K, V]
+    labels = labels.reshape(-1, labels.shape[-1])[: max_blocks].tolist()
+    valid = valid.reshape(-1, valid.shape[-1])[: max_blocks].tolist()
+    if conditional is not None:
+        hidden = hidden.reshape(-1, *hidden.shape[-2:])[: max_blocks]  # [N, B, H]
+        bonus = bonus.reshape(-1)[: max_blocks].tolist()
+    # Nodes are numbered in best-first pop order, so the tree of budget b is exactly the nodes
+    # 1..b of the largest tree: build that once and count, per budget, the path nodes <= b.
+    counts = torch.zeros(len(budgets) + 1 + 4, dtype=torch.float64)
+    for i, (lab, ok) in enumerate(zip(labels, valid)):
+        if not ok[0] or not budgets:
+            continue
+        counts[len(budgets)] += 1
+        scorer = None if conditional is None else conditional(hidden[i], bonus[i])
+        tree, cur, path = build_tree(logits[i], max(budgets), scorer), 0, []
+        for tok, v in zip(lab, ok):
+            if not v or tok not in tree.children[cur]:
+                break
+            cur = tree.children[cur][tok]
+            path.append(cur)  # increasing indices along the path
+        for j, budget in enumerate(budgets):
+            counts[j] += sum(1 for node in path if node <= budget)
+        # the target's token after the node at depth d is label d+1 (when valid)
+        nxt = [lab[d] if d < len(lab) and ok[d] else None for d in range(1, len(path) + 1)]
+        counts[len(budgets) + 1:] += torch.tensor(spine_counts(tree, path, nxt), dtype=torch.float64)
+    return counts
+
+
+def confidence_counts(confidence_logits: torch.Tensor, alpha: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Calibration of DSpark's confidence head, teacher-forced: per slot k the summed predicted
+    acceptance sigmoid(c_k), the summed measured rate alpha_k = sum_v min(p_v, q_v) (the loss's),
+    and the count of valid slots. Returns summable counts [3K]."""
+    v = valid.float()
+    predicted = (torch.sigmoid(confidence_logits.float()) * v).flatten(0, -2).sum(0)
+    return torch.cat([predicted, (alpha.float() * v).flatten(0, -2).sum(0), v.flatten(0, -2).sum(0)]).double()

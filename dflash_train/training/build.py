@@ -1,0 +1,114 @@
+"""Build a drafter for a target from the recipe's model section (a fresh one, or `model.init_from`).
+
+The drafter's shape follows the target (it shares its embeddings and LM head); the variant's
+fields (DSpark, DFlash2) are checked against the target's config before anything is allocated.
+"""
+
+from dflash_train.checkpoint.folders import check_matches_target, load_drafter
+from dflash_train.core.errors import UserError
+from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.model.target import Target, build_target_layer_ids, check_tap_layers
+from dflash_train.training.config import ModelConfig
+
+# Variants a DFlash drafter can start (model.init_from): the prefixes of the modules they add fresh
+# (DFlash2 also adds layers.N.{attention_conv, mlp_conv}, at the identity).
+GROWN = {"dspark": ("markov_head.", "confidence_head."), "dflash2": ("candidate_selector.",)}
+
+
+def mask_token_id(target: Target, mask_token: str, given_id: int | None = None) -> int:
+    rows = target.model.config.vocab_size
+    if given_id is not None:
+        if given_id >= rows:
+            raise UserError(f"model.mask_token_id {given_id} is outside the target's embedding table ({rows} rows)")
+        return given_id
+    tok = target.tokenizer
+    ids = tok.convert_tokens_to_ids([mask_token])
+    if ids[0] is None or ids[0] == tok.unk_token_id or mask_token not in tok.get_vocab():
+        raise UserError(f"the target's tokenizer has no mask token '{mask_token}' (add it as a special token, "
+                        "or give an unused embedding row as model.mask_token_id, e.g. 151669 for Qwen3)")
+    if ids[0] >= target.model.config.vocab_size:
+        raise UserError(f"mask token '{mask_token}' id {ids[0]} is outside the target's "
+                        f"embedding table ({target.model.config.vocab_size} rows)")
+    return ids[0]
+
+
+def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
+    """The drafter's shape follows the target (it shares its embeddings and LM head)."""
+    tc = target.model.config
+    layer_ids = m.target_layer_ids or build_target_layer_ids(tc.num_hidden_layers, m.num_layers)
+    check_tap_layers(layer_ids, tc.num_hidden_layers)
+    return DrafterConfig(
+        hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_hidden_layers=m.num_layers,
+        num_attention_heads=tc.num_attention_heads, num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.head_dim, vocab_size=tc.vocab_size, block_size=m.block_size,
+        mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
+        num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
+        max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
+        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m, tc),
+        **dflash2_fields(m, tc),
+    )
+
+
+def dspark_fields(m: ModelConfig, tc) -> dict:
+    """The DSpark part of a DrafterConfig (its defaults for DFlash), checked against the target's
+    config `tc` before anything is allocated."""
+    if m.variant != "dspark":
+        return {}
+    if m.markov_rank > tc.vocab_size:  # W2(W1[x]) is a V x V bias: its rank is at most V
+        raise UserError(f"model.markov_rank {m.markov_rank} exceeds the target's vocabulary ({tc.vocab_size}): "
+                        f"a rank above {tc.vocab_size} adds nothing")
+    return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
+            "confidence_head": m.confidence_head,
+            "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
+
+
+def dflash2_fields(m: ModelConfig, tc) -> dict:
+    """The DFlash2 part of a DrafterConfig (its zero defaults for DFlash), checked against the
+    target's config `tc`."""
+    if m.variant != "dflash2":
+        return {}
+    if tc.hidden_size % m.conv_group_size:
+        raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden size "
+                        f"{tc.hidden_size}")
+    if m.conv_kernel_size > m.block_size:
+        raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size {m.block_size}")
+    if m.selector_rank > tc.vocab_size:  # the codebooks are [V, r]: a rank above V adds nothing
+        raise UserError(f"model.selector_rank {m.selector_rank} exceeds the target's vocabulary ({tc.vocab_size})")
+    if m.selector_top_k > tc.vocab_size:
+        raise UserError(f"model.selector_top_k {m.selector_top_k} exceeds the target's vocabulary ({tc.vocab_size})")
+    return {"variant": "dflash2", "conv_kernel_size": m.conv_kernel_size, "conv_group_size": m.conv_group_size,
+            "selector_rank": m.selector_rank, "selector_top_k": m.selector_top_k}
+
+
+def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
+    """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees.
+    A DFlash drafter may start a DSpark recipe (its backbone, with fresh DSpark heads) or a DFlash2
+    one (its weights, identity convolutions, so it computes what it computed, and a fresh selector)."""
+    cfg = drafter_config_for(target, m)
+    if m.init_from is None:
+        return DFlashDrafter(cfg)
+    drafter, _ = load_drafter(m.init_from)
+    check_matches_target(drafter.config, target)
+    loaded = drafter.config
+    fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
+              ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
+              ("block_attention", "block_attention"), ("variant", "variant")]
+    if loaded.variant == "dspark":
+        fields += [("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
+                   ("confidence_head", "confidence_head")]
+    if loaded.variant == "dflash2":
+        fields += [("conv_kernel_size", "conv_kernel_size"), ("conv_group_size", "conv_group_size"),
+                   ("selector_rank", "selector_rank"), ("selector_top_k", "selector_top_k")]
+    for key, field in fields:
+        if key == "variant" and loaded.variant == "dflash" and cfg.variant in GROWN:
+            continue
+        if getattr(loaded, field) != getattr(cfg, field):
+            raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
+                            f"{getattr(cfg, field)}: set model.{key} to match")
+    if loaded.variant != cfg.variant:  # a DFlash drafter under fresh DSpark heads / DFlash2 modules
+        grown = DFlashDrafter(cfg)
+        missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith(GROWN[cfg.variant]) or "_conv." in k for k in missing)
+        return grown
+    loaded.num_target_layers = cfg.num_target_layers
+    return drafter

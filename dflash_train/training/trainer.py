@@ -1,0 +1,809 @@
+"""Train a DFlash drafter against a frozen target (hidden states online, or from an offline cache).
+
+    accelerate launch dflash_train/train.py                                  # recipes/tiny.yaml
+    accelerate launch dflash_train/train.py --recipe R.yaml output_dir=runs/x max_steps=50 seed=3
+    accelerate launch --multi_gpu --num_processes 2 dflash_train/train.py ...  # DDP (gloo on CPU)
+    dflash-train ...                                                          # same entry
+
+Each step: a batch of conversations -> the target's trunk (no grad; or the hidden-state cache)
+gives the tapped hidden states and its own next-token distributions -> random anchors among
+assistant tokens -> the drafter predicts every anchored block [anchor token, MASK x (B-1)] in
+one pass -> loss (the recipe's terms, e.g. CE to the target's tokens, KL or TV to its
+distributions, weighted by block slot; dflash_train/model/loss.py) -> backward, clip, AdamW, cosine schedule.
+
+Exactness: anchors are drawn per dataset row, the data order is a pure function of (seed,
+epoch), and the loss is normalised by the slot weights of the whole optimizer step across
+processes and micro-batches. So 1 process x batch 8 and 2 processes x batch 4 train the same
+model, and a run killed at any point and started again with the same command resumes from its
+newest checkpoint and continues with the losses it would have had.
+
+Writes <output_dir>/metrics.jsonl (one object per optimizer step), summary.json,
+checkpoints/step_N/ (every `checkpoint_every` steps) and final/ (the drafter + recipe).
+
+Every input (recipe, data, target, init_from, hidden-state cache with all its shards, the
+checkpoint to resume) is read and checked before output_dir is touched: a bad one is one
+`error:` line, exit code 2, and an earlier run there (overwrite=true) is left as it was. A
+non-finite loss or gradient norm stops training before that step's update with one `error:`
+line naming the step, exit code 2; checkpoints are written only with finite weights, so the
+newest one is the last good state, and final/ is never written with non-finite weights.
+"""
+
+import json
+import math
+import os
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import yaml
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, Sampler
+from tqdm.auto import tqdm
+from transformers import get_cosine_schedule_with_warmup
+
+from dflash_train.checkpoint.folders import (check_resumable, count_parameters, load_checkpoint, newest_checkpoint,
+                                             save_drafter, write_checkpoint)
+from dflash_train.core.errors import UserError
+from dflash_train.core.outputs import (KINDS, MARKER, check_folder_path, is_empty, marker_kind, refuse_overlap, sibling,
+                                       write_marker)
+from dflash_train.core.paths import model_source, resolve_input
+from dflash_train.core.progress import BAR_INTERVAL
+from dflash_train.data.dataset import check_data_path, collate, load_conversations
+from dflash_train.data.hs_cache import check_complete, open_cache
+from dflash_train.model.loss import acceptance_counts, acceptance_metrics, dflash_loss, exp_weights, loss_divisor
+from dflash_train.model.target import load_target, native_bf16
+from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_loss
+from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, confidence_loss
+from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts,
+                                          ddtree_acceptance, draw_anchors)
+from dflash_train.training.build import init_drafter
+from dflash_train.training.config import RunConfig, dump_recipe
+from dflash_train.training.engines import (configure_deepspeed, full_model_state, full_optimizer_state,
+                                           fully_shard_drafter, grad_norm_of, gradient_sync, launched_engine,
+                                           load_optimizer_state, make_accelerator, shards_itself, whole_model_loading)
+from dflash_train.training.markov_embed import SharedW1
+from dflash_train.training.tree_distill import pick_blocks, tree_distillation_loss
+
+DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
+VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
+# Recipe keys (or whole sections) that may change between a run and its resumption (they do not
+# affect the math; a run folder may be moved or copied; the deploy budget only names a checkpoint).
+RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb", "eval.deploy_budget"}
+# Recipe keys naming inputs: compared as resolved paths, so data/x and ./data/x/ are the same input.
+PATH_KEYS = {"model.target", "model.init_from", "data.train", "data.val", "data.hidden_state_cache"}
+
+
+class EpochSampler(Sampler):
+    """A permutation of the dataset seeded by (seed, epoch): the order is a pure function of the
+    epoch, so a resumed run continues it exactly. Set `.epoch` before iterating."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch = n, seed, 0
+
+    def __iter__(self):
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return iter(torch.randperm(self.n, generator=g).tolist())
+
+    def __len__(self):
+        return self.n
+
+
+def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: int):
+    """Endless (epoch, batches consumed in that epoch, batch), starting `skip` batches into `epoch`."""
+    while True:
+        sampler.epoch = epoch
+        for i, batch in enumerate(accelerator.skip_first_batches(loader, skip) if skip else loader, start=skip):
+            yield epoch, i + 1, batch
+        epoch, skip = epoch + 1, 0
+
+
+@torch.no_grad()
+def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
+    """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
+    EAL and teacher-forced DDTree tau at the recipe's budgets with the on-/off-spine accuracy of
+    the largest tree (path-conditioned for DSpark) and DSpark's confidence calibration, with
+    fixed anchors; each process takes every P-th conversation and the counts are summed, so the
+    result does not depend on the process count."""
+    drafter.eval()
+    model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
+    rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
+    budgets, T, K = cfg.eval.ddtree_budgets, len(term_names(cfg)), B - 1
+    # loss and term numerators, the divisor, acceptance counts, tree + spine counts, confidence
+    # calibration: all summable
+    sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
+    totals = torch.zeros(sum(sizes), dtype=torch.float64)
+    conditional = cpu_tree_scorer(model)  # DSpark's / DFlash2's path-conditioned trees are built on CPU
+    # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
+    # a process out of rows repeats row 0 and counts nothing.
+    bs = cfg.train.batch_size
+    tree_blocks_left = cfg.eval.ddtree_max_blocks  # over the whole validation, on this process
+    for i in tqdm(range(0, -(-len(val_ds) // accelerator.num_processes), bs), desc="validate", leave=False, position=0,
+                  disable=not accelerator.is_main_process, dynamic_ncols=True, mininterval=BAR_INTERVAL):
+        chunk = rows[i : i + bs]
+        batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
+        anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
+        with accelerator.autocast():
+            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id)
+            loss_sum, m = training_loss(o, target, model, cfg, normalizer=1.0)
+            if not chunk:
+                continue
+            # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
+            # backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at a time
+            flat = [x.flatten(0, 1)[:tree_blocks_left] for x in (o.draft_hidden, m["labels"], o.valid)]
+            if conditional is not None:
+                flat += [x.flatten(0, 1)[:tree_blocks_left] for x in (o.block_hidden, o.bonus)]
+            tree_blocks_left -= len(flat[0])
+            n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
+            tree = torch.zeros(sizes[2], dtype=torch.float64)
+            for j in range(0, len(flat[0]), n):
+                hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
+                tree += ddtree_acceptance(target.lm_head(hidden).float().cpu(), labels.cpu(), valid.cpu(), budgets, n,
+                                          conditional, *(x.float().cpu() if x.is_floating_point() else x.cpu()
+                                                       for x in path_inputs))
+        calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
+            confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
+        totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
+                                          loss_divisor(o.valid, cfg.loss).double().cpu()]),
+                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
+    totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
+    drafter.train()
+    head, counts, tree, calibration = totals.split(sizes)
+    divisor = head[1 + T].clamp(min=1e-8)
+    blocks = max(tree[len(budgets)].item(), 1.0)
+    on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
+    out = {"loss": (head[0] / divisor).item(),
+           "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(term_names(cfg))},
+           **acceptance_metrics(counts),
+           "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
+           "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
+           "off_spine_nodes": int(off_n)}
+    if model.confidence_head is not None:
+        predicted, alpha, n = calibration.view(3, K)
+        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
+                             "alpha": (alpha / n.clamp(min=1)).tolist()}
+    return out
+
+
+def cpu_tree_scorer(model):
+    """For validation's path-conditioned trees: (block hidden [B, H], bonus) -> the block's scorer,
+    over a CPU float32 copy of DSpark's Markov head or DFlash2's selector (gathered from its shards
+    under FSDP, so every process calls this); None for DFlash."""
+    head = model.markov_head if model.markov_head is not None else model.candidate_selector
+    if head is None:
+        return None
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
+             for k, v in head.state_dict().items()}
+    c = model.config
+    if model.markov_head is not None:
+        copy, scorer = MarkovHead(c.vocab_size, head.rank, c.hidden_size, head.head_type), MarkovScorer
+    else:
+        copy, scorer = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k), SelectorScorer
+    copy.load_state_dict(state)
+    return partial(scorer, copy.eval())
+
+
+def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
+    """The recipe's loss on the anchored blocks (a DSpark drafter's logits carry its Markov bias),
+    plus, for DSpark's confidence head, loss.confidence_weight x its BCE toward the detached
+    per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
+    the same normaliser; for DFlash2, loss.selector_weight x the selector's candidate CE (the
+    terms' slot weights, the same normaliser), reported as the term "selector", and the chain's
+    hits are then the selector walk's (teacher-forced, dflash2.selector_loss)."""
+    bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
+    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                          normalizer=normalizer, markov_bias=bias)
+    if o.confidence_logits is not None and cfg.loss.confidence_weight:
+        w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
+        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w, normalizer)
+    if model.candidate_selector is not None:
+        block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's tokens, slots 0..B-1
+        sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens, target.lm_head,
+                                        m["labels"], o.valid, cfg.loss, normalizer)
+        m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
+        m["correct"] = correct
+        loss = loss + cfg.loss.selector_weight * sel
+    return loss, m
+
+
+def term_names(cfg: RunConfig) -> list[str]:
+    """The reported loss terms: the recipe's, then DFlash2's selector CE (a training step's record
+    adds tree distillation's KL as "tree")."""
+    return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+
+
+def distilled_trees(run, model, batch, anchors, o: BlockOutputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tree distillation on one sequence of the micro-batch (tree_distill.py) -> (mean KL over the
+    trees' nodes, with grad; summable [nodes, agreeing argmaxes])."""
+    tcfg = run.cfg.tree_distill
+    row, blocks = pick_blocks(o.valid, tcfg.anchors, step)
+    if row < 0:
+        return torch.zeros((), device=o.draft_hidden.device), torch.zeros(2, dtype=torch.float64)
+    length = int(batch.attention_mask[row].sum())  # right-padded
+    kl, c = tree_distillation_loss(model, run.target, batch.input_ids[row, :length], o.block_hidden[row, blocks],
+                                   anchors[row, blocks].tolist(), tcfg.budget, cpu_tree_scorer(model))
+    return kl, torch.tensor([c["nodes"], c["agree"]], dtype=torch.float64)
+
+
+def check_heads_engine(variant: str, engine: str, accelerator) -> None:
+    """DSpark's heads and DFlash2's selector run after the backbone's forward (and use W2 / the
+    successor codebook inside the loss), outside any sharded unit's forward: FSDP must keep
+    parameters unsharded from forward to backward (recipes/accelerate/fsdp_dspark.yaml, for both)
+    and ZeRO-3, which gathers them per module forward, cannot serve them."""
+    if variant not in ("dspark", "dflash2"):
+        return
+    if engine == "fsdp" and os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true":
+        raise UserError(f"model.variant={variant} under FSDP needs fsdp_reshard_after_forward: false "
+                        "(launch with --config_file recipes/accelerate/fsdp_dspark.yaml)")
+    if engine == "deepspeed" and accelerator.state.deepspeed_plugin.zero_stage == 3:
+        raise UserError(f"model.variant={variant} does not run under DeepSpeed ZeRO-3 (its heads' weights are used "
+                        "outside a module forward): use ZeRO-2 or recipes/accelerate/fsdp_dspark.yaml")
+
+
+def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
+    """Local inputs -> absolute paths (from the current folder, else the checkout: the bundled target
+    and data), checked to be there before anything is loaded; Hub ids stay ids. The recipe saved
+    with the drafter then names its target and data from any folder."""
+    m, d = cfg.model, cfg.data
+    m.target = model_source(m.target, "model.target")
+    if m.init_from is not None:
+        m.init_from = model_source(m.init_from, "model.init_from")
+    d.train, d.val = resolve_input(d.train), resolve_input(d.val)
+    check_data_path(d.train)
+    check_data_path(d.val)
+    if d.hidden_state_cache is not None:
+        d.hidden_state_cache = resolve_input(d.hidden_state_cache)
+        check_complete(Path(d.hidden_state_cache))
+    return cfg
+
+
+@dataclass
+class OutputPlan:
+    resume: Path | None  # the checkpoint to resume from
+    replace: bool  # output_dir holds an earlier run of ours, deleted once the new run is set up
+    note: str | None  # what happens to output_dir, said at the start
+
+
+def describe_run(out: Path) -> str:
+    """What deleting a run folder loses, e.g. "3 checkpoints up to step 9, final/, metrics.jsonl"."""
+    steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit())
+    parts = [f"{len(steps)} checkpoint{'s' * (len(steps) != 1)} up to step {steps[-1]}"] if steps else []
+    parts += sorted(p.name + "/" * p.is_dir() for p in out.iterdir() if p.name not in (MARKER, "checkpoints"))
+    return ", ".join(parts) or "nothing"
+
+
+def plan_output_dir(cfg: RunConfig) -> OutputPlan:
+    """Decide what becomes of output_dir, before anything is loaded or written: start in an empty
+    one, resume from its newest checkpoint, start again a run of ours that stopped before its first
+    checkpoint, or (overwrite=true) replace a run of ours. Anything else is refused."""
+    out = Path(cfg.output_dir)
+    check_folder_path(out, "output_dir")
+    m, d = cfg.model, cfg.data
+    refuse_overlap(out, [("model.target", m.target), ("model.init_from", m.init_from), ("data.train", d.train),
+                         ("data.val", d.val), ("data.hidden_state_cache", d.hidden_state_cache)], "output_dir")
+    if is_empty(out):
+        return OutputPlan(None, False, None)
+    kind, newest = marker_kind(out), newest_checkpoint(out)
+    if kind not in (None, "train"):
+        raise UserError(f"output_dir '{out}' holds {KINDS.get(kind, kind)}, not a training run: "
+                        "choose another output_dir")
+    if kind is None and newest is None:  # checkpoints are ours even in a folder from before the marker
+        raise UserError(f"output_dir '{out}' is not empty and was not written by dflash-train (no {MARKER}): "
+                        "choose another output_dir, or empty it yourself")
+    what = describe_run(out)
+    if cfg.overwrite:
+        if kind is None:
+            raise UserError(f"output_dir '{out}' has no {MARKER} (written before dflash-train marked its runs), so "
+                            "overwrite=true will not delete it: delete it yourself, or choose another output_dir")
+        return OutputPlan(None, True, f"overwrite=true: the run in '{out}' ({what}) is deleted once the new run "
+                                      "is set up")
+    if (out / "summary.json").is_file():
+        raise UserError(f"output_dir '{out}' holds a finished run: overwrite=true deletes it ({what}), "
+                        "or choose another output_dir")
+    if newest is None:
+        return OutputPlan(None, True, f"output_dir '{out}' holds a run stopped before its first checkpoint "
+                                      f"({what}): starting it again")
+    try:
+        saved = yaml.safe_load((newest / "recipe.yaml").read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml: {type(e).__name__}): "
+                        "delete it to resume from the one before") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml is not a mapping): "
+                        "delete it to resume from the one before")
+    check_same_recipe(saved, cfg, newest, what)
+    return OutputPlan(newest, False, None)
+
+
+def open_output_dir(out: Path, plan: OutputPlan, accelerator) -> None:
+    """Once everything is loaded and checked: move an earlier run aside, mark the folder as ours,
+    then delete the earlier run."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        old = sibling(out, "old") if plan.replace else None
+        if old is not None:
+            os.replace(out, old)
+        out.mkdir(parents=True, exist_ok=True)
+        write_marker(out, "train")
+        if old is not None:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+class StopRequest:
+    """SIGINT during the training loop sets `requested` instead of raising wherever Python happens
+    to be (a KeyboardInterrupt raised inside a finaliser is swallowed, and one raised mid-step
+    leaves other processes waiting in a collective). The loop stops after the step, on every
+    process together. A second SIGINT raises at once, as Python's default handler does. An ignored
+    SIGINT (a `cmd &` job of a non-interactive shell) stays ignored."""
+
+    def __init__(self):
+        self.requested = False
+        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        self._previous = None if ignored else signal.signal(signal.SIGINT, self._request)
+
+    def _request(self, signum, frame):
+        self.requested = True
+        self.restore()
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
+
+
+def interrupted_line(cfg: RunConfig) -> str:
+    """After Ctrl-C: the last step done (metrics.jsonl) and the step a rerun resumes from."""
+    out = Path(cfg.output_dir)
+    try:
+        at = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    except (OSError, IndexError, ValueError, KeyError):
+        at = 0
+    newest = newest_checkpoint(out) if out.is_dir() else None
+    rerun = "rerun it without overwrite=true" if cfg.overwrite else "rerun the same command"
+    if newest is None:
+        return f"interrupted at step {at}; {rerun} to start again from step 0 (no checkpoint yet)"
+    return f"interrupted at step {at}; {rerun} to resume from step {int(newest.name[5:])}"
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> None:
+    now, before = _flat(cfg.model_dump(mode="json")), _flat(saved)
+    # a section added after the run was saved (tree_distill) reads as its defaults: an older run resumes
+    before |= {k: v for k, v in _flat(RunConfig().model_dump(mode="json")).items() if k.split(".")[0] not in saved}
+
+    def same(k: str) -> bool:
+        if k in PATH_KEYS and isinstance(now[k], str) and isinstance(before.get(k), str):
+            return resolve_input(now[k]) == resolve_input(before[k])
+        return now[k] == before.get(k)
+
+    resumable = {k for k in now if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES)}
+    changed = [k for k in now if k not in resumable and not same(k)]
+    if changed:
+        raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); rerun with the same "
+                        f"recipe to resume, choose another output_dir, or pass overwrite=true to delete this run "
+                        f"({what})")
+
+
+def choose_precision(cfg: RunConfig) -> str:
+    """auto = bf16 on a GPU that has it, else fp32. bf16 by name also on a CPU that runs it natively
+    (AVX-512 BF16 / AMX: CPU autocast, the frozen target in bf16), never silently: it changes the numbers."""
+    gpu_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if cfg.train.precision == "bf16" and not (gpu_bf16 or native_bf16("cpu")):
+        raise UserError("train.precision=bf16 needs a GPU with bf16 support or a CPU with AVX-512 BF16 / AMX "
+                        "(use auto or fp32)")
+    return "bf16" if cfg.train.precision == "bf16" or (cfg.train.precision == "auto" and gpu_bf16) else "no"
+
+
+@dataclass
+class Run:
+    """A run set up for its loop (what a torchtune recipe keeps on self): the models, data,
+    optimizer and schedule, and the position a resumed run continues from."""
+    cfg: RunConfig
+    out: Path
+    engine: str  # single, ddp, fsdp or deepspeed (engines.py)
+    precision: str  # bf16 or no
+    accelerator: object
+    target: object
+    drafter: torch.nn.Module  # as prepared by accelerate (DDP-wrapped, sharded, or a DeepSpeed engine)
+    opt: object  # accelerate's wrapper; raw_opt is the torch optimizer (for the state-dict API)
+    raw_opt: torch.optim.Optimizer
+    sched: object
+    batches: object  # train_batches(): endless (epoch, batches consumed in that epoch, batch)
+    val_ds: object
+    collate_fn: object
+    cache: object  # HiddenStateCache or None (online hidden states)
+    layer_ids: list[int]
+    B: int  # block size
+    mask_id: int
+    shared_w1: SharedW1 | None = None  # model.markov_w1_embed: W1's embedding path (markov_embed.py)
+    start_step: int = 0  # the resumed checkpoint's step
+    tokens: int = 0  # training tokens so far (all processes)
+    train_time: float = 0.0  # seconds in optimizer steps so far
+    resume: Path | None = None
+
+
+def train(cfg: RunConfig) -> None:
+    plan = plan_output_dir(cfg)  # before anything is loaded: a refusal costs nothing
+    run = setup(cfg, plan)
+    metrics_file = open_metrics(run)
+    accelerator = run.accelerator
+    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="train", disable=not accelerator.is_main_process,
+               dynamic_ncols=True, mininterval=BAR_INTERVAL)
+    val, t_start = None, time.time()
+    stop = StopRequest()  # Ctrl-C: finish the step on every process, then stop (a second one stops at once)
+    for step in range(run.start_step + 1, cfg.max_steps + 1):
+        record, live, position, stop_after_step = optimizer_step(run, step, stop)
+        record["elapsed_s"] = round(time.time() - t_start, 2)
+        if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
+            val = validate(accelerator, run.drafter, run.target, run.val_ds, run.collate_fn, cfg, run.layer_ids,
+                           run.mask_id)
+            record.update(validation_record(val))
+        if metrics_file:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+        accelerator.log(flat_for_tracker(record), step=step)
+        if step % cfg.log_every == 0 or step == run.start_step + 1:
+            bar.set_postfix(loss=f"{record['loss']:.3f}", eal=f"{live['eal']:.2f}", lr=f"{record['lr']:.1e}")
+        bar.update(1)
+        if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < cfg.max_steps:
+            epoch, in_epoch = position
+            save_training_checkpoint(run.out / "checkpoints" / f"step_{step:06d}", accelerator, run.engine,
+                                     run.drafter, run.raw_opt, run.target, cfg,
+                                     {"step": step, "scheduler": run.sched.state_dict(), "epoch": epoch,
+                                      "batches_in_epoch": in_epoch, "tokens": run.tokens,
+                                      "train_time": run.train_time,
+                                      "markov_embed": run.shared_w1.state_dict() if run.shared_w1 else None})
+        if stop_after_step:
+            stop.restore()
+            raise KeyboardInterrupt
+    stop.restore()
+    bar.close()
+    write_outputs(run, val, t_start, metrics_file)
+    # Every process leaves together and tears the process group down before the interpreter does:
+    # a gloo group destroyed while a peer is still busy, or left to interpreter finalisation, can
+    # abort the process ("terminate called without an active exception").
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
+    """Target, drafter, data, distribution, optimizer and schedule (restored on resume); every
+    input is loaded and checked, and only then is output_dir opened."""
+    precision = choose_precision(cfg)
+    if not torch.cuda.is_available():  # else DeepSpeed (imported by accelerate) warns on every CPU run
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    engine = launched_engine()  # single, ddp, fsdp or deepspeed (engines.py)
+    accelerator = make_accelerator(engine, precision, "wandb" if cfg.wandb.enabled else None)
+    if engine == "deepspeed":
+        configure_deepspeed(accelerator, cfg.train.clip_grad, cfg.train.grad_accum)
+    resume = plan.resume
+    out = Path(cfg.output_dir)
+    if plan.note:
+        accelerator.print(plan.note)
+    torch.manual_seed(cfg.seed)  # the drafter's initial weights
+
+    # --- target, drafter, data -------------------------------------------------------------
+    with whole_model_loading(accelerator, engine):
+        target = load_target(cfg.model.target, revision=cfg.model.target_revision, device=accelerator.device,
+                             dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                             trust_remote_code=cfg.model.trust_remote_code)
+    drafter = init_drafter(target, cfg.model)
+    if resume:
+        check_resumable(resume, drafter)
+    check_heads_engine(cfg.model.variant, engine, accelerator)
+    drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
+    if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
+        raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
+    drafter.flex_attention = cfg.train.attention == "flex" or (cfg.train.attention == "auto"
+                                                               and accelerator.device.type == "cuda")
+    dcfg = drafter.config
+    layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
+    train_dl, sampler, val_ds, collate_fn, cache = setup_data(cfg, target, layer_ids, accelerator)
+    drafter, opt, raw_opt, sched, shared_w1, train_dl, position = setup_optimization(cfg, accelerator, engine, drafter,
+                                                                                     target, train_dl, resume)
+    start_step, epoch, skip, tokens, train_time = position
+    open_output_dir(out, plan, accelerator)  # everything is loaded and checked: only now is output_dir touched
+    if cfg.wandb.enabled:
+        accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
+            "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
+
+    accelerator.print(
+        f"target {cfg.model.target}: {target.num_layers} layers, taps {layer_ids}; drafter "
+        f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
+        f"{sampler.n} train / {len(val_ds)} val conversations; hidden states "
+        f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
+        f"{accelerator.device} x{accelerator.num_processes} ({engine})" + (f"; resuming from {resume}" if resume else ""))
+    return Run(cfg=cfg, out=out, engine=engine, precision=precision, accelerator=accelerator, target=target,
+               drafter=drafter, opt=opt, raw_opt=raw_opt, sched=sched,
+               batches=train_batches(train_dl, sampler, accelerator, epoch, skip),
+               val_ds=val_ds, collate_fn=collate_fn, cache=cache, layer_ids=layer_ids, B=B, mask_id=mask_id,
+               shared_w1=shared_w1, start_step=start_step, tokens=tokens, train_time=train_time, resume=resume)
+
+
+def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):
+    """-> (train loader, its EpochSampler, held-out rows, collate_fn, hidden-state cache or None)."""
+    with accelerator.main_process_first():
+        train_ds = load_conversations(cfg.data.train, target.tokenizer, cfg.data.max_length)
+        val_ds = load_conversations(cfg.data.val, target.tokenizer, cfg.data.max_length)
+    cache = open_cache(cfg.data.hidden_state_cache, target, layer_ids, train_ds) if cfg.data.hidden_state_cache else None
+    train_ds = train_ds.add_column("row", list(range(len(train_ds))))  # anchors and the cache are per row
+    if cfg.eval.max_samples:
+        val_ds = val_ds.select(range(min(cfg.eval.max_samples, len(val_ds))))
+    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    collate_fn = partial(collate, pad_id=pad_id)
+    sampler = EpochSampler(len(train_ds), cfg.seed)
+    train_dl = DataLoader(train_ds, batch_size=cfg.train.batch_size, sampler=sampler, drop_last=True,
+                          collate_fn=collate_fn)
+    if len(train_ds) < cfg.train.batch_size * accelerator.num_processes:
+        raise UserError(f"data.train has {len(train_ds)} usable conversations, fewer than one global batch "
+                        f"({cfg.train.batch_size} x {accelerator.num_processes} processes)")
+    return train_dl, sampler, val_ds, collate_fn, cache
+
+
+def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, target, train_dl, resume: Path | None):
+    """Distribution, AdamW and the cosine schedule (stepped once per optimizer step, on every
+    process), restored from `resume` -> (drafter, opt, torch optimizer, schedule, SharedW1 or None,
+    train loader, (step, epoch, batches consumed in it, tokens, train time) to continue from)."""
+    start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
+    if resume:  # full weights go in before any sharding; the optimizer state after it
+        weights, state = load_checkpoint(resume)
+        if (state["engine"] == "deepspeed") != (engine == "deepspeed"):
+            raise UserError(f"cannot resume from {resume}: it was written under {state['engine']} and this run uses "
+                            f"{engine} (DeepSpeed checkpoints resume under DeepSpeed only)")
+        drafter.load_state_dict(weights)
+        start_step, epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
+        tokens, train_time = state["tokens"], state["train_time"]
+    self_sharded = shards_itself(engine, accelerator)
+    if self_sharded:
+        fully_shard_drafter(drafter, accelerator)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.train.lr, betas=cfg.train.betas,
+                            weight_decay=cfg.train.weight_decay)
+    raw_opt = opt  # accelerate wraps it; the state-dict API wants the torch optimizer
+    sched = get_cosine_schedule_with_warmup(opt, int(cfg.train.warmup_ratio * cfg.max_steps), cfg.max_steps)
+    if self_sharded:
+        opt, train_dl = accelerator.prepare(opt, train_dl)
+    else:
+        drafter, opt, train_dl = accelerator.prepare(drafter, opt, train_dl)
+    if resume:
+        sched.load_state_dict(state["scheduler"])
+        if engine == "deepspeed":
+            accelerator.load_state(str(resume / DEEPSPEED_STATE))
+        else:
+            load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
+    shared_w1 = None
+    if cfg.model.markov_w1_embed:  # W1's embedding path (markov_embed.py): reads the table's whole gradient
+        if engine not in ("single", "ddp"):
+            raise UserError(f"model.markov_w1_embed runs on one process or under DDP, not under {engine} (it reads "
+                            "the Markov table's whole gradient after each step)")
+        shared_w1 = SharedW1(accelerator.unwrap_model(drafter).markov_head, target.embed.weight, cfg.train.lr,
+                             cfg.train.betas, sched.lr_lambdas[0])
+        if resume:
+            shared_w1.load_state_dict(state["markov_embed"])
+    return drafter, opt, raw_opt, sched, shared_w1, train_dl, (start_step, epoch, skip, tokens, train_time)
+
+
+def open_metrics(run: Run):
+    """metrics.jsonl on the main process (None elsewhere): on resume, the records up to the
+    checkpoint are kept and the rest dropped."""
+    if not run.accelerator.is_main_process:
+        return None
+    path = run.out / "metrics.jsonl"
+    kept = [line for line in path.read_text().splitlines()
+            if json.loads(line)["step"] <= run.start_step] if run.resume and path.exists() else []
+    metrics_file = open(path, "w")
+    metrics_file.writelines(line + "\n" for line in kept)
+    return metrics_file
+
+
+def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, tuple[int, int], bool]:
+    """One optimizer step over grad_accum micro-batches -> (its metrics record, live acceptance
+    metrics, the data position (epoch, batches consumed in it) after it, whether any process
+    asked to stop after it). Advances run.tokens and run.train_time."""
+    cfg, accelerator, drafter, B = run.cfg, run.accelerator, run.drafter, run.B
+    t0 = time.time()
+    # Draw the step's micro-batches and anchors first: the loss is normalised by the slot
+    # weights of the whole optimizer step, summed over micro-batches and processes.
+    micro = []
+    for _ in range(cfg.train.grad_accum):
+        epoch, in_epoch, batch = next(run.batches)
+        batch = batch.to(accelerator.device)
+        anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
+        micro.append((batch, anchors, anchor_valid))
+    w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
+    w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
+    # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
+    normalizer = (w_total / accelerator.num_processes).float()
+
+    loss_sum, step_tokens, terms, counts, tree_counts = 0.0, 0, 0.0, None, torch.zeros(2, dtype=torch.float64)
+    distil = cfg.tree_distill.weight > 0 and step % cfg.tree_distill.every == 0
+    for i, (batch, anchors, anchor_valid) in enumerate(micro):
+        with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
+            o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, B, run.mask_id,
+                                run.cache)
+            model = accelerator.unwrap_model(drafter)
+            loss, m = training_loss(o, run.target, model, cfg, normalizer)
+            if cfg.tree_distill.weight > 0:  # its term: this step's KL on the first micro-batch, else 0
+                kl = torch.zeros((), device=loss.device)
+                if distil and i == 0:
+                    kl, tree_counts = distilled_trees(run, model, batch, anchors, o, step)
+                    loss = loss + cfg.tree_distill.weight * kl
+                m["terms"] = torch.cat([m["terms"], kl.detach().reshape(1).to(m["terms"].dtype)])
+            accelerator.backward(loss)
+        loss_sum += loss.item()
+        terms = terms + m["terms"].double().cpu()
+        c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
+        counts = c if counts is None else counts + c
+        step_tokens += int(batch.attention_mask.sum())
+    # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
+    # The stop request rides along, so every process stops after the same step.
+    stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms, tree_counts,
+                       torch.tensor([float(stop.requested)], dtype=torch.float64)])
+    stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
+    stop_after_step, (tree_nodes, tree_agree), stats = stats[-1].item() > 0, stats[-3:-1].tolist(), stats[:-3]
+    loss_sum, run.tokens = stats[0].item() / accelerator.num_processes, run.tokens + int(stats[1])
+    counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
+    names = term_names(cfg) + ["tree"] * (cfg.tree_distill.weight > 0)
+    terms = {name: round(v, 6) for name, v in zip(names, terms.tolist())}
+    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
+    if run.engine != "deepspeed":  # DeepSpeed reports its norm after its step
+        grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
+        check_finite_step(step, loss_sum, grad_norm, run.out)  # the same numbers on every process
+    lr = run.sched.get_last_lr()[0]  # the rate this step uses
+    run.opt.step()
+    run.sched.step()
+    if run.shared_w1 is not None:  # reads the table's gradient: before it is cleared
+        run.shared_w1.step()
+    run.opt.zero_grad(set_to_none=True)
+    run.train_time += time.time() - t0
+
+    live = acceptance_metrics(counts)
+    if run.engine == "deepspeed":
+        grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
+        check_finite_step(step, loss_sum, grad_norm, run.out)
+    grad_norm = None if grad_norm is None else round(grad_norm, 6)
+    record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
+              "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
+              "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": run.tokens,
+              "train_tokens_per_s": round(run.tokens / run.train_time, 1)}
+    if tree_nodes:  # tree distillation: the share of its nodes where the drafter's argmax is the target's
+        record["tree_agree"] = round(tree_agree / tree_nodes, 4)
+    return record, live, (epoch, in_epoch), stop_after_step
+
+
+def validation_record(val: dict) -> dict:
+    """validate()'s result -> the val_* keys of a metrics record."""
+    record = {"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
+              "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
+              "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
+              "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
+              "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
+              **{f"val_{k}": None if val[k] is None else round(val[k], 4) for k in ("on_spine_acc", "off_spine_acc")}}
+    if "confidence" in val:  # DSpark: the confidence head's calibration per slot
+        record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
+    return record
+
+
+def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
+    """final/ (the drafter + recipe) and summary.json, once every weight is known finite."""
+    cfg, accelerator, drafter = run.cfg, run.accelerator, run.drafter
+    weights = full_model_state(accelerator, drafter, run.engine)  # a collective under FSDP / ZeRO-3
+    check_finite_weights(weights, accelerator, cfg.max_steps, run.out)
+    if not accelerator.is_main_process:
+        return
+    out = run.out
+    save_drafter(out / "final", accelerator.unwrap_model(drafter), run.target, dump_recipe(cfg), weights)
+    summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
+               "train_tokens_per_s": round(run.tokens / max(run.train_time, 1e-9), 1), "train_tokens": run.tokens,
+               "resumed_from_step": run.start_step, "processes": accelerator.num_processes, "engine": run.engine,
+               "device": str(accelerator.device), "precision": "bf16" if run.precision == "bf16" else "fp32",
+               "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
+               "target": cfg.model.target, "target_layer_ids": run.layer_ids, "block_size": run.B,
+               "hidden_states": "cache" if run.cache else "online", "eval": val,
+               "chosen": choose_checkpoint(out, cfg),
+               # this process's peak (all processes hold the same shapes under DDP; a shard under FSDP/ZeRO)
+               "peak_gpu_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+               if accelerator.device.type == "cuda" else None}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    metrics_file.close()
+    tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
+    print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
+          f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
+          f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
+    c = summary["chosen"]
+    if c["folder"] != "final":
+        what = f"DDTree@{c['budget']}" if c["budget"] else "the chain"
+        print(f"for {what}, the best validated drafter is {out / c['folder']} (step {c['step']}: {c['value']:.2f})")
+
+
+def choose_checkpoint(out: Path, cfg: RunConfig) -> dict:
+    """Of the saved drafters that were validated (checkpoints/step_N/ still on disk, and final/),
+    the one with the best held-out DDTree tau at eval.deploy_budget (the chain's EAL without one;
+    ties: the later step). Read from metrics.jsonl, so validations before a resume count too."""
+    key = "val_eal" if cfg.eval.deploy_budget is None else "val_ddtree_tau"
+    def folder(step: int) -> str:
+        return "final" if step == cfg.max_steps else f"checkpoints/step_{step:06d}"
+
+    scores = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        r = json.loads(line)
+        if key in r and (folder(r["step"]) == "final" or (out / folder(r["step"])).is_dir()):
+            scores[r["step"]] = r[key] if cfg.eval.deploy_budget is None else r[key][str(cfg.eval.deploy_budget)]
+    step = max(scores, key=lambda s: (scores[s], s))
+    return {"budget": cfg.eval.deploy_budget, "metric": "ddtree_tau" if cfg.eval.deploy_budget else "chain_eal",
+            "step": step, "folder": folder(step), "value": scores[step],
+            "validated": {str(s): v for s, v in sorted(scores.items())}}
+
+
+def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,
+                             state: dict) -> None:
+    """checkpoints/step_N/: the full drafter weights (loadable like final/) plus what an exact
+    resume needs. Every process takes part (gathers under FSDP / ZeRO); the main process writes
+    into a temporary folder that is renamed only when complete, so a restart never picks half a
+    checkpoint. DeepSpeed's engine writes its own sharded state into it first."""
+    weights = full_model_state(accelerator, drafter, engine)
+    check_finite_weights(weights, accelerator, state["step"], folder.parent.parent)
+    optimizer = None if engine == "deepspeed" else full_optimizer_state(accelerator, drafter, opt)
+    tmp = folder.with_name(f".{folder.name}.partial")
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    if engine == "deepspeed":  # optimizer partitions, per process
+        accelerator.save_state(str(tmp / DEEPSPEED_STATE))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        write_checkpoint(tmp, accelerator.unwrap_model(drafter), target, dump_recipe(cfg),
+                        state={**state, "optimizer": optimizer, "engine": engine}, weights=weights)
+        os.replace(tmp, folder)
+    accelerator.wait_for_everyone()
+
+
+def kept_state(out: Path) -> str:
+    """What a stopped run leaves to resume from."""
+    newest = newest_checkpoint(out)
+    return f"its newest checkpoint {newest} is kept" if newest else "it has no checkpoint yet"
+
+
+def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path) -> None:
+    """A non-finite loss or gradient norm stops training (before the step's update, except under
+    DeepSpeed, whose engine reports its norm after it); the step is not saved."""
+    for name, value in [("loss", loss), ("gradient norm", grad_norm)]:
+        if value is not None and not math.isfinite(value):
+            raise UserError(f"step {step}: the {name} is {value}: training stopped and nothing of this step is "
+                            f"saved; {kept_state(out)} (lower train.lr, or check the data and loss.terms)")
+
+
+def check_finite_weights(weights: dict, accelerator, step: int, out: Path) -> None:
+    """Before writing a checkpoint or final/: every weight finite, decided on every process together
+    (under FSDP / ZeRO-3 only the main process holds the gathered weights: the others hold {} or None)."""
+    bad = [k for k, v in (weights or {}).items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    n = accelerator.reduce(torch.tensor([float(len(bad))], device=accelerator.device), reduction="sum").item()
+    if n:
+        raise UserError(f"step {step}: the drafter's weights are not finite{f' ({bad[0]})' if bad else ''}: nothing "
+                        f"of this step was saved, {kept_state(out)} (lower train.lr)")
+
+
+def flat_for_tracker(record: dict) -> dict:
+    """metrics.jsonl record -> scalar keys for wandb (loss/<term>, alpha_k, val/loss/<term>,
+    val/acc_k, val/alpha_k, val/ddtree_tau@budget)."""
+    flat = {k: v for k, v in record.items() if v is not None and not isinstance(v, (list, dict))}
+    for key, prefix in [("terms", "loss/"), ("val_terms", "val/loss/")]:
+        for name, v in record.get(key, {}).items():
+            flat[prefix + name] = v
+    for key, name in [("alpha_per_position", "alpha"), ("val_acc_per_position", "val/acc"),
+                      ("val_alpha_per_position", "val/alpha")]:
+        for k, v in enumerate(record.get(key, []), start=1):
+            flat[f"{name}_{k}"] = v
+    for budget, tau in record.get("val_ddtree_tau", {}).items():
+        flat[f"val/ddtree_tau@{budget}"] = tau
+    return flat

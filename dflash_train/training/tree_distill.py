@@ -1,0 +1,132 @@
+"""Tree distillation: train the drafter's scores at every node of the tree it drafts.
+
+A drafter is trained on the data's tokens (the spine). The tree it is decoded with also offers
+siblings, and once the target accepts one, the drafter's next-slot scores given that sibling are
+what build the next depth; no dataset holds the target's distribution there, so those scores are
+untrained (measured off the spine on SmolLM2: right 0-11% of the time). Here the target supplies it.
+
+Recipe section `tree_distill` (weight 0: off). Every `every` optimizer steps, for up to `anchors`
+blocks of one sequence of the step's first micro-batch, the drafter's own tree of `budget` nodes is
+built from its current scores (detached; the same scorer validation and decoding use), the frozen
+target is run once over the sequence and the packed trees with the ancestor-only mask
+(tree_labels.tree_target_logits), and at the root and every node above the last depth the
+drafter's distribution for the next slot given that node's path is pulled toward the target's:
+
+    loss_tree = mean over nodes n of KL(p_target(. | path n) || q_drafter(. | path n))
+
+q per variant, exactly as the decoder's tree scores a node's children (h_t: the block's final
+states, slot t; a node at depth d carrying token x, the root carrying the bonus token at depth 0):
+    dflash:  q = softmax(lm_head(h_{d+1}))             the marginal: one q per depth, whatever x
+    dspark:  q = softmax(lm_head(h_{d+1}) + W2 u)      u from x (gated: and h_{d+1}; rnn: the path's state)
+    dflash2: q = softmax over C_{d+1} of S_{d+1}(x, .), p restricted to C_{d+1} and renormalised
+             (C_t: slot t's unary top-K, which is all the selector ranks; the unary mass outside
+             C_t is the backbone's, trained by the base loss)
+DSpark's tree applies the Markov bias to each depth's top-256 backbone tokens only (MarkovScorer);
+q here is the exact distribution (the bias on every token), which that tree approximates.
+
+What it trains: the conditional head only (DSpark's Markov head, DFlash2's selector). The block's
+states h are detached: the backbone's scores are the same for every sibling at a depth, so the KL's
+gradient there would pull the spine's marginal toward the average of the target's distributions
+after each sibling; the base loss keeps the backbone on the spine. So a DFlash drafter (no
+conditional head) has nothing to distil (the recipe check refuses it). The target runs under no_grad.
+
+Cost of a distilled step: one target forward over T + anchors * budget tokens (attention over its
+square), `anchors` tree builds (as validation's) and [anchors * (budget + 1), V] drafter logits.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.decoding.ddtree import DraftTree, build_tree
+from dflash_train.training.tree_labels import tree_target_logits
+
+
+def pick_blocks(valid: torch.Tensor, anchors: int, step: int) -> tuple[int, list[int]]:
+    """valid [b, A, K] (the micro-batch's slots) -> (row, block indices in it): the first row from
+    step mod b on with a valid block (its first slot supervised), and up to `anchors` of its valid
+    blocks, evenly spaced. Deterministic in the step, so a resumed run distils the same blocks.
+    (-1, []) when no block is valid."""
+    b = valid.shape[0]
+    for i in range(b):
+        row = (step + i) % b
+        ok = valid[row, :, 0].nonzero().flatten().tolist()
+        if ok:
+            n = min(anchors, len(ok))
+            return row, [ok[j * len(ok) // n] for j in range(n)]
+    return -1, []
+
+
+def _markov_vectors(head, tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
+                    hidden: torch.Tensor) -> torch.Tensor:
+    """DSpark's u at every node: tokens, depths, parents [m] (root first: its bonus token, depth 0,
+    parent -1), hidden [B, H] -> u [m, r] of the slot after each node (slot depth + 1)."""
+    emb = head.markov_w1(tokens)  # [m, r]
+    h_next = hidden[(depths + 1).clamp(max=hidden.shape[0] - 1)].to(emb.dtype)  # [m, H]
+    if head.head_type != "rnn":
+        return head.step(None, emb, h_next)[0]
+    # rnn: the state runs down each path. Slot 0 advances it with the bonus token (as in
+    # teacher forcing and MarkovScorer); a node's step starts from its parent's state.
+    _, root_carry = head.step(emb.new_zeros(head.rank), emb[0], hidden[0].to(emb.dtype))
+    u, state = [None] * len(tokens), [None] * len(tokens)
+    for i in range(len(tokens)):  # parents come before children (pop order)
+        carry = root_carry if i == 0 else state[int(parents[i])]
+        u[i], state[i] = head.step(carry, emb[i], h_next[i])
+    return torch.stack(u)
+
+
+def node_log_probs(model, lm_head, hidden: torch.Tensor, tree: DraftTree, bonus: int):
+    """The drafter's next-slot log-probabilities at the root and every node above the last depth.
+    hidden [B, H] (the block's final states, with grad), lm_head: the target's frozen head ->
+    (rows [m] the nodes' indices in [root + nodes] numbering, support [m, S] long or None (the full
+    vocabulary), logq [m, S] float32)."""
+    L = hidden.shape[0] - 1
+    tokens = torch.cat([torch.tensor([bonus]), tree.tokens]).to(hidden.device)  # [n+1]
+    depths = torch.cat([torch.tensor([0]), tree.depths]).to(hidden.device)
+    rows = (depths < L).nonzero().flatten()  # nodes with a next slot
+    tokens, depths, parents = tokens[rows], depths[rows], tree.parents.to(hidden.device)[rows]
+    h_next = hidden[depths + 1]  # [m, H]
+    if model.candidate_selector is not None:
+        selector = model.candidate_selector
+        with torch.no_grad():  # the candidate sets: slot d+1's unary top-K
+            support = lm_head(hidden[1:]).topk(min(selector.top_k, lm_head.weight.shape[0]), dim=-1).indices[depths]
+        unary = (lm_head.weight[support].to(h_next.dtype) @ h_next[..., None]).squeeze(-1)  # [m, K]
+        context = selector(h_next, tokens)  # [m, r]
+        scores = unary + (context[:, None, :] * selector.successor_codebook[support]).sum(-1).to(unary.dtype)
+        return rows, support, torch.log_softmax(scores.float(), dim=-1)
+    logits = lm_head(h_next)  # [m, V]
+    if model.markov_head is not None:
+        # rows are root-first and parent-before-child; renumber parents into rows for the rnn walk
+        index = torch.full((tree.size + 1,), -1, dtype=torch.long, device=rows.device)
+        index[rows] = torch.arange(len(rows), device=rows.device)
+        u = _markov_vectors(model.markov_head, tokens, depths, index[parents.clamp(min=0)], hidden)
+        logits = logits + model.markov_head.markov_w2(u.to(logits.dtype))
+    return rows, None, torch.log_softmax(logits.float(), dim=-1)
+
+
+def tree_distillation_loss(model, target, ids: torch.Tensor, block_hidden: torch.Tensor, anchors: list[int],
+                           budget: int, conditional=None) -> tuple[torch.Tensor, dict]:
+    """One sequence's blocks. model: the unwrapped drafter; target: dflash_train.model.target.Target;
+    ids [T] (the sequence, no padding); block_hidden [n, B, H] (those blocks' final states; read
+    detached); anchors: their positions in ids (slot 0 = the token there); conditional: (hidden [B, H],
+    bonus) -> the tree's scorer (trainer.cpu_tree_scorer), None for DFlash's marginal tree.
+    -> (mean KL over the nodes, with grad in the conditional head; {"nodes": m, "agree": how many nodes' argmax q is the
+    target's argmax}).
+
+    The trees are built from detached scores: which branches are offered is the decoder's choice,
+    not something to differentiate through."""
+    lm_head, block_hidden = target.lm_head, block_hidden.detach()  # the head's term (module docstring)
+    trees, bonus = [], ids[anchors].tolist()
+    with torch.no_grad():
+        for h, x in zip(block_hidden, bonus):
+            scorer = None if conditional is None else conditional(h.detach().to("cpu", torch.float32), x)
+            trees.append(build_tree(lm_head(h[1:]).float(), budget, scorer))
+        p_logits = tree_target_logits(target.model, ids, anchors, trees)  # per tree [n+1, V]
+    kl, nodes, agree = 0.0, 0, 0
+    for h, tree, x, p in zip(block_hidden, trees, bonus, p_logits):
+        rows, support, logq = node_log_probs(model, lm_head, h, tree, x)
+        p = p[rows].float()
+        logp = torch.log_softmax(p if support is None else p.gather(-1, support), dim=-1)
+        kl = kl + (logp.exp() * (logp - logq)).sum()
+        nodes += len(rows)
+        agree += int((logq.argmax(-1) == logp.argmax(-1)).sum())
+    return kl / max(nodes, 1), {"nodes": nodes, "agree": agree}

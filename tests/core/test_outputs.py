@@ -1,0 +1,171 @@
+"""core/outputs.py: what an --output may replace, how it is replaced; core/paths.py: where inputs are found."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import TINY_TARGET, error_line
+from dflash_train.core.errors import UserError
+from dflash_train.core.outputs import MARKER, marker_kind, require_free_output, write_atomically
+from dflash_train.core.paths import ROOT, model_source, resolve_input
+
+
+def made(tmp_path, kind) -> Path:
+    out = tmp_path / "out"
+    write_atomically(out, lambda d: (d / "old.txt").write_text("old"), kind)
+    return out
+
+
+def test_only_a_marked_folder_of_the_same_kind_is_replaced(tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious").write_text("mine")
+    for overwrite in (False, True):
+        with pytest.raises(UserError, match="was not written by dflash-train"):
+            require_free_output(foreign, overwrite, "eval", [])
+    run = made(tmp_path, "train")
+    with pytest.raises(UserError, match="holds a training run, not an eval report"):
+        require_free_output(run, True, "eval", [])
+    with pytest.raises(UserError, match=r"pass --overwrite"):
+        require_free_output(run, False, "train", [])
+    require_free_output(run, True, "train", [])  # ours, same kind, asked for
+    require_free_output(tmp_path / "new", False, "eval", [])
+    (tmp_path / "empty").mkdir()
+    require_free_output(tmp_path / "empty", False, "eval", [])
+    assert (foreign / "precious").read_text() == "mine"
+
+
+def test_an_output_that_is_a_file_or_under_one_is_refused(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(UserError, match="is a file, not a folder"):
+        require_free_output(f, True, "eval", [])
+    with pytest.raises(UserError, match="cannot be created: .* is a file"):
+        require_free_output(f / "sub" / "out", False, "eval", [])
+
+
+@pytest.mark.parametrize("out, relation", [("d", "is"), ("d/inner", "is inside"), (".", "holds")])
+def test_an_output_that_overlaps_an_input_is_refused(tmp_path, out, relation, monkeypatch):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "model.safetensors").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=f"'{out}' {relation} the --drafter 'd'"):
+        require_free_output(Path(out), True, "eval", [("--drafter", "d"), ("--target", "some/hub-id")])
+
+
+def test_a_failed_write_leaves_the_old_output_intact(tmp_path):
+    out = made(tmp_path, "export")
+
+    def fails(d):
+        (d / "half.txt").write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_atomically(out, fails, "export")
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "old.txt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
+    write_atomically(out, lambda d: (d / "new.txt").write_text("new"), "export")
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "new.txt"]) and marker_kind(out) == "export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_written_files_follow_the_umask_not_safetensors_0600(tmp_path):
+    """vLLM in a container often runs as another user: the weights must be as readable as any file
+    the user creates (umask), where safetensors alone writes 0600."""
+    bare = tmp_path / "bare.safetensors"
+    save_file({"w": torch.zeros(2)}, bare)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("x")
+    umask_mode = plain.stat().st_mode & 0o777
+    assert bare.stat().st_mode & 0o777 == 0o600 != umask_mode  # what we correct (umask 022 here: 0644)
+    out = tmp_path / "out"
+    write_atomically(out, lambda d: save_file({"w": torch.zeros(2)}, d / "model.safetensors"), "drafter")
+    assert (out / "model.safetensors").stat().st_mode & 0o777 == umask_mode
+
+
+def test_inputs_resolve_from_the_checkout_and_typos_are_not_found(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_input("data/tiny-target") == str(ROOT / "data" / "tiny-target")  # bundled, from any folder
+    assert model_source("data/tiny-target", "target") == str(ROOT / "data" / "tiny-target")
+    (tmp_path / "mine").mkdir()
+    assert model_source("mine/", "target") == str(tmp_path / "mine")  # the current folder comes first
+    assert model_source("Qwen/Qwen3-8B", "target") == "Qwen/Qwen3-8B"  # a Hub id stays an id
+    for typo in ["data/tiny-targt", "/nope", "./runs/x/final", "runs/x/final", "mine/sub"]:
+        with pytest.raises(UserError, match=f"target not found: '{typo}'"):
+            model_source(typo, "target")
+    (tmp_path / "f.bin").write_text("x")
+    with pytest.raises(UserError, match="is a file"):
+        model_source("f.bin", "target")
+    assert os.getcwd() == str(tmp_path)
+
+
+# --- every CLI with an --output: checked before any work, replaced only when ours ------------------
+
+def cli(name):
+    from dflash_train.cli import cache as hs_cache, eval, export, prepare
+
+    return {"eval": eval.main, "export": export.main, "prepare": prepare.main, "cache": hs_cache.main}[name]
+
+
+def argv(name, out, drafter, data) -> list[str]:
+    """A good command for each CLI, writing to `out`."""
+    return {"eval": ["--drafter", str(drafter), "--output", str(out)],
+            "export": ["--format", "dflash", "--checkpoint", str(drafter), "--output", str(out)],
+            "prepare": ["--input", str(data), "--format", "messages", "--target", str(TINY_TARGET),
+                        "--output", str(out)],
+            "cache": ["--data", str(data), "--target", str(TINY_TARGET), "--output", str(out)]}[name]
+
+
+CLIS = ["eval", "export", "prepare", "cache"]  # also the kinds of output they write
+
+
+def exits_2(command, capsys) -> str:
+    with pytest.raises(SystemExit) as e:
+        command()
+    assert e.value.code == 2
+    return error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_an_output_on_an_input_is_refused(name, fresh_drafter_dir, small_data, capsys):
+    """`dflash-eval --drafter X --output X --overwrite` would delete the drafter."""
+    inp = fresh_drafter_dir if name in ("eval", "export") else small_data / "val.jsonl"
+    out = inp if name in ("eval", "export") else small_data
+    before = snapshot(out)
+    line = exits_2(lambda: cli(name)(argv(name, out, fresh_drafter_dir, small_data / "val.jsonl") + ["--overwrite"]),
+                   capsys)
+    assert f"--output '{out}' {'is' if out == inp else 'holds'} the --" in line
+    assert snapshot(out) == before
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_a_bad_output_is_refused_before_any_work(name, fresh_drafter_dir, small_data, tmp_path, capsys):
+    file = tmp_path / "file"
+    file.write_text("x")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "precious").write_text("mine")
+    run = made(tmp_path, "train")
+    data = small_data / "val.jsonl"
+    for out, message in [(file, "is a file, not a folder"), (foreign, "was not written by dflash-train"),
+                         (run, "holds a training run, not")]:
+        line = exits_2(lambda: cli(name)(argv(name, out, fresh_drafter_dir, data) + ["--overwrite"]), capsys)
+        assert message in line
+    assert file.read_text() == "x" and (foreign / "precious").read_text() == "mine" and marker_kind(run) == "train"
+
+
+@pytest.mark.parametrize("name", CLIS)
+def test_overwrite_with_a_bad_input_leaves_the_old_output(name, fresh_drafter_dir, small_data, tmp_path, capsys):
+    out = made(tmp_path, name)
+    before = snapshot(out)
+    missing = tmp_path / "missing"
+    exits_2(lambda: cli(name)(argv(name, out, missing, missing) + ["--overwrite"]), capsys)
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}

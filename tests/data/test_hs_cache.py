@@ -1,0 +1,177 @@
+"""Offline hidden-state cache: same losses as online training, resumable builds, refusals."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import dflash_train.cli.cache as hs_cli
+import dflash_train.data.hs_cache as hs
+from conftest import ROOT, TINY_TARGET, broken_target, error_line
+from dflash_train.cli.train import main as train_main
+from dflash_train.core.errors import UserError
+from dflash_train.data.dataset import load_conversations
+from dflash_train.model.target import load_target, target_forward
+
+TAPS = [1, 5]  # the default taps of a 2-layer drafter on the 8-layer tiny target
+
+
+@pytest.fixture(scope="module")
+def ds(tiny_target, small_data):
+    return load_conversations(str(small_data / "train.jsonl"), tiny_target.tokenizer, 256)
+
+
+@pytest.fixture(scope="module")
+def caches(tiny_target, ds, tmp_path_factory):
+    base = tmp_path_factory.mktemp("cache")
+    return {dtype: (base / dtype, hs.build_cache(tiny_target, ds, TAPS, base / dtype, dtype, shard_rows=24))
+            for dtype in ["float32", "bfloat16", "fp8"]}
+
+
+def test_manifest_and_stored_states(caches, tiny_target, ds):
+    path, m = caches["float32"]
+    assert m["rows"] == len(ds) and m["tokens"] == sum(len(x) for x in ds["input_ids"])
+    assert m["target_layer_ids"] == TAPS and m["target_pin"]["kind"] == "content_sha256"
+    assert len(m["shards"]) == (len(ds) + 23) // 24 and not (path / hs.PARTIAL).exists()
+    assert m["bytes_per_token"] == 3 * 128 * 4
+    assert caches["bfloat16"][1]["bytes_per_token"] == 3 * 128 * 2
+    assert caches["fp8"][1]["bytes_per_token"] == 3 * 128 + 8
+    for s in m["shards"]:
+        assert hs.file_sha256(path / s["file"]) == s["sha256"]
+    # a stored row equals a fresh target forward of that row alone
+    cache = hs.open_cache(path, tiny_target, TAPS, ds)
+    row = 30
+    ids = torch.tensor([ds[row]["input_ids"]])
+    taps, last = target_forward(tiny_target, ids, torch.ones_like(ids), TAPS)
+    c_taps, c_last = cache.batch([row], ids.shape[1], "cpu", torch.float32)
+    torch.testing.assert_close(c_taps, taps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(c_last, last, rtol=1e-5, atol=1e-5)
+    # bf16 and fp8 are close to it (e4m3 keeps 3 mantissa bits: relative error <= 1/16 per element)
+    for dtype, tol in [("bfloat16", 2 ** -8), ("fp8", 2 ** -4)]:
+        lossy = hs.open_cache(caches[dtype][0], tiny_target, TAPS, ds).batch([row], ids.shape[1], "cpu", torch.float32)[0]
+        assert ((lossy - taps).abs() <= tol * taps.abs().amax(-1, keepdim=True) + 1e-6).all(), dtype
+
+
+def _train(out, small_data, extra=()):
+    train_main([f"output_dir={out}", "max_steps=4", "seed=5", f"data.train={small_data / 'train.jsonl'}",
+                f"data.val={small_data / 'val.jsonl'}", "train.batch_size=4", "eval.max_samples=4", *extra])
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_offline_training_gives_the_online_losses(caches, small_data, tmp_path):
+    """Same seed, same data, same anchors: the only difference is where the taps come from.
+    float32 cache: equal to 1e-5 relative (batched vs per-row forward rounding); bf16: 2e-2."""
+    online = _train(tmp_path / "online", small_data)
+    offline = _train(tmp_path / "f32", small_data, [f"data.hidden_state_cache={caches['float32'][0]}"])
+    bf16 = _train(tmp_path / "bf16", small_data, [f"data.hidden_state_cache={caches['bfloat16'][0]}"])
+    assert online == pytest.approx(offline, rel=1e-5)
+    assert online == pytest.approx(bf16, rel=2e-2)
+    assert online[-1] < online[0]
+
+
+def test_interrupted_build_resumes(tiny_target, ds, caches, tmp_path, monkeypatch):
+    real_save, calls = hs.save_file, {"n": 0}
+
+    def crash_on_third(tensors, path):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt("killed")
+        real_save(tensors, path)
+
+    monkeypatch.setattr(hs, "save_file", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        hs.build_cache(tiny_target, ds, TAPS, tmp_path / "c", "float32", shard_rows=24)
+    partial = json.loads((tmp_path / "c" / hs.PARTIAL).read_text())
+    assert len(partial["shards"]) == 2 and not (tmp_path / "c" / hs.MANIFEST).exists()
+    with pytest.raises(UserError, match="did not finish"):
+        hs.open_cache(tmp_path / "c", tiny_target, TAPS, ds)
+    monkeypatch.setattr(hs, "save_file", real_save)
+    m = hs.build_cache(tiny_target, ds, TAPS, tmp_path / "c", "float32", shard_rows=24)
+    assert [s["sha256"] for s in m["shards"]] == [s["sha256"] for s in caches["float32"][1]["shards"]]
+
+
+def test_cache_for_other_target_taps_or_data_is_refused(caches, ds, tiny_target, qwen3_random_target_dir):
+    path = caches["bfloat16"][0]
+    with pytest.raises(UserError, match="another target"):
+        hs.open_cache(path, load_target(str(qwen3_random_target_dir)), TAPS, ds)
+    with pytest.raises(UserError, match="has taps"):
+        hs.open_cache(path, tiny_target, [1, 3], ds)
+    with pytest.raises(UserError, match="other data"):
+        hs.open_cache(path, tiny_target, TAPS, ds.select(range(len(ds) - 1)))
+
+
+def test_cli(tmp_path, small_data):
+    out = tmp_path / "cli"
+    r = subprocess.run([sys.executable, "-m", "dflash_train.cli.cache", "--data", str(small_data / "val.jsonl"),
+                        "--target", str(TINY_TARGET), "--output", str(out), "--dtype", "fp8"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "bytes/token (fp8)" in r.stderr and json.loads((out / "manifest.json").read_text())["dtype"] == "fp8"
+    bad = subprocess.run([sys.executable, "-m", "dflash_train.cli.cache", "--data", str(tmp_path / "none.jsonl"),
+                          "--target", str(TINY_TARGET), "--output", str(tmp_path / "o")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    assert [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")] == [
+        f"error: data file '{tmp_path / 'none.jsonl'}' not found"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_ctrl_c_then_the_same_command_resumes_and_then_says_complete(small_data, tmp_path, monkeypatch, capsys):
+    """Interrupted while writing its first shard (a half-written .tmp file and no partial manifest
+    yet): one line, exit 130; the same command resumes; once more, it says the cache is complete."""
+    out = tmp_path / "c"
+    cmd = ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET), "--output", str(out),
+           "--shard-rows", "8", "--dtype", "float32"]
+    real_save = hs.save_file
+
+    def cut_off(tensors, path):
+        path.write_bytes(b"half a shard")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hs, "save_file", cut_off)
+    with pytest.raises(SystemExit) as e:
+        hs_cli.main(cmd)
+    assert e.value.code == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted with 0 of 2 shards done; rerun the same command to resume")
+    assert list(out.glob(".shard_*.tmp")) and not (out / hs.PARTIAL).exists()
+    monkeypatch.setattr(hs, "save_file", real_save)
+    hs_cli.main(cmd)
+    manifest = json.loads((out / hs.MANIFEST).read_text())
+    assert len(manifest["shards"]) == 2 and not list(out.glob(".shard_*.tmp"))
+    plain = tmp_path / "plain.txt"  # shards are as readable as any file the user writes
+    plain.write_text("x")
+    assert (out / "shard_00000.safetensors").stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
+    capsys.readouterr()
+    hs_cli.main(cmd)
+    assert f"hidden-state cache '{out}' is already complete (16 rows" in capsys.readouterr().err
+    # a shard deleted since: the same command rebuilds it (and only it), instead of "complete"
+    kept = (out / "shard_00000.safetensors").stat().st_mtime_ns
+    (out / "shard_00001.safetensors").unlink()
+    hs_cli.main(cmd)
+    assert f"hidden-state cache '{out}' is missing shard_00001.safetensors" in capsys.readouterr().err
+    assert json.loads((out / hs.MANIFEST).read_text()) == manifest and not (out / hs.PARTIAL).exists()
+    assert (out / "shard_00000.safetensors").stat().st_mtime_ns == kept
+    assert json.loads((out / hs.MANIFEST).read_text()) == manifest
+    # other settings: refused, or (--overwrite) rebuilt
+    with pytest.raises(SystemExit):
+        hs_cli.main([*cmd[:-1], "bfloat16"])
+    assert "holds a complete cache for other settings" in error_line(capsys.readouterr().err)
+    hs_cli.main([*cmd[:-1], "bfloat16", "--overwrite"])
+    assert json.loads((out / hs.MANIFEST).read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("flags, message", [(["--shard-rows", "0"], "--shard-rows must be >= 1"),
+                                            (["--batch-size", "0"], "--batch-size must be >= 1"),
+                                            (["--target-layer-ids", "1,x"], "--target-layer-ids must be")])
+def test_bad_flags_and_missing_data_are_found_before_the_target_is_loaded(flags, message, small_data, tmp_path,
+                                                                        capsys):
+    broken = broken_target(tmp_path / "broken", "garbage")  # loading it would fail: it is never loaded
+    for data, expected in [(small_data / "val.jsonl", message), (tmp_path / "none.jsonl", "not found")]:
+        with pytest.raises(SystemExit) as e:
+            hs_cli.main(["--data", str(data), "--target", str(broken), "--output", str(tmp_path / "o"),
+                     *(flags if expected == message else [])])
+        assert e.value.code == 2 and expected in error_line(capsys.readouterr().err)
+    assert not (tmp_path / "o").exists()

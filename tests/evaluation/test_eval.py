@@ -1,0 +1,274 @@
+"""`dflash-eval` end to end on the tiny target, its report, and its refusals."""
+
+import argparse
+import json
+import subprocess
+import sys
+
+import matplotlib.image as mpimg
+import pytest
+import torch
+
+from conftest import ROOT, run_main
+from dflash_train.checkpoint.folders import drafter_fingerprint, load_drafter
+from dflash_train.cli.eval import main
+from dflash_train.evaluation import speed
+from dflash_train.evaluation.speed import verdict_text
+from dflash_train.evaluation.summary import device_costs_model, predictions, summarize
+from dflash_train.evaluation.sweep import Sample, sweep_order
+
+
+
+@pytest.fixture(scope="module")
+def report(trained_drafter_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval") / "report"
+    mt = out.parent / "mt.jsonl"
+    mt.write_text(json.dumps({"prompt": ["What is 12 + 30?", "Thank you!"]}) + "\n")
+    gpu = out.parent / "gpu_costs.json"  # the keys benchmarks/gpu_costs.py writes
+    gpu.write_text(json.dumps({"device": "Some GPU", "verify_ms_by_width": {"1": 10, "64": 10.5, "1024": 20},
+                               "draft_ms": 1.0, "draft_ms_by_batch": {"1": 1.0, "4": 1.2},
+                               "tree_build_ms_by_budget": {"16": 0.5, "64": 1.0}}))
+    main(["--drafter", str(trained_drafter_dir), "--budgets", "0,4,64", "--limit", "6", "--max-new-tokens", "32",
+          "--suite", "tinychat", "--suite", f"mt-bench={mt}", "--repeats", "2", "--concurrency", "1,4",
+          "--verify-times", str(gpu), "--output", str(out)])
+    return out, json.loads((out / "report.json").read_text())
+
+
+def test_report_results(report):
+    out, rep = report
+    rows = rep["results"]
+    # budget 0 is plain decoding: reported once, as AR, never as a tree of no nodes
+    assert [(r["suite"], r["method"], r["budget"]) for r in rows] == [
+        (s, m, b) for s in ["tinychat", "mt-bench"] for m, b in [("ar", 0), ("dflash", 7), ("ddtree", 4),
+                                                                  ("ddtree", 64)]]
+    assert rep["budgets"] == [4, 64] and rep["repeats"] == 2
+    for r in rows:
+        assert {"suite", "method", "budget", "temperature", "tau", "tokens_per_s", "lossless"} <= r.keys()
+        assert r["lossless"] is True, r  # every repeat of every method equals AR's output
+        assert sum(r["accept_hist"].values()) == r["rounds"]
+        assert r["tokens_per_s"] > 0 and r["repeats"] == 2
+        lo, hi = r["speedup_interval"]
+        assert lo <= r["speedup"] <= hi
+        assert set(r["predicted"]) == {"1", "4"}
+        assert r["predicted"]["4"]["verify_width"] == 4 * (r["budget"] + 1)
+        assert set(r["predicted_on_device"]) == {"1", "4"}
+    by = {(r["suite"], r["method"], r["budget"]): r for r in rows}
+    for s in ["tinychat", "mt-bench"]:
+        ar = by[(s, "ar", 0)]
+        assert ar["tau"] == 1.0 and ar["speedup"] == 1.0 and ar["speedup_interval"] == [1.0, 1.0]
+        # at one request the prediction is the measured per-prompt ratio again (same data, same median)
+        for m in ["dflash", "ddtree"]:
+            for r in [x for x in rows if x["suite"] == s and x["method"] == m]:
+                assert r["predicted"]["1"]["speedup"] == pytest.approx(r["speedup"], rel=1e-6)
+    # the tree accepts more than the chain on the bundled suite
+    assert by[("tinychat", "ddtree", 64)]["tau"] > by[("tinychat", "dflash", 7)]["tau"]
+    assert by[("mt-bench", "ar", 0)]["prompts"] == 1 and by[("mt-bench", "ar", 0)]["rounds"] > 2 * 10  # 2 turns x 2
+    hw = rep["hardware"]
+    assert hw["device_type"] == "cpu" and hw["torch"] and hw["device"]
+    costs = rep["costs"]
+    # timed up to the first width covering the widest prediction (4 requests x DDTree@64 = 260): 512
+    assert list(costs["verify_ms_by_width"]) == [str(2**k) for k in range(10)] and costs["context"] > 0
+    for r in rows:  # trees state probabilities the target then judges; the chain and AR have no cells
+        cal = r.get("calibration")
+        assert (cal is not None) == (r["method"] == "ddtree")
+        if cal:
+            assert 0 <= cal["ece"] <= 1 and cal["nodes"] == sum(c["nodes"] for c in cal["cells"]) > 0
+    assert list(costs["draft_ms_by_batch"]) == ["1", "4"]
+    for suite in ["tinychat", "mt-bench"]:
+        adv = rep["advice"][suite]
+        for v in [adv["measured"], adv["concurrency"]["4"]]:
+            assert (v["recommended"] is None) == bool(v["indistinguishable"])
+            assert v["best"] in [{"method": r["method"], "budget": r["budget"]} for r in rows]
+
+
+def test_report_records_the_drafter_it_measured(report, trained_drafter_dir):
+    _, rep = report
+    drafter = load_drafter(trained_drafter_dir)[0]
+    assert rep["drafter_fingerprint"] == drafter_fingerprint(drafter)
+    assert rep["block_size"] == drafter.config.block_size == 8
+    assert rep["target"] == json.loads((trained_drafter_dir / "config.json").read_text())["target"]["name_or_path"]
+    assert "target_revision" in rep
+
+
+def test_report_markdown_and_plots(report):
+    out, rep = report
+    md = (out / "report.md").read_text()
+    chain = next(r for r in rep["results"] if r["suite"] == "tinychat" and r["method"] == "dflash")
+    lo, hi = chain["speedup_interval"]
+    assert f"| dflash | 7 | {chain['tau']:.2f} | {chain['speedup']:.2f}x ({lo:.2f}-{hi:.2f}) |" in md
+    assert "| ddtree | 0 |" not in md
+    assert "Measured here, one request at a time:" in md and "- 4 requests:" in md
+    assert verdict_text(rep["advice"]["tinychat"]["measured"]) in md
+    assert "Predicted on Some GPU" in md and rep["advice"]["tinychat"]["device"]["name"] == "Some GPU"
+    for png in ["tau_vs_budget.png", "accept_hist.png", "speedup_vs_budget.png", "verify_cost.png"]:
+        img = mpimg.imread(out / png)
+        assert img.ndim == 3 and img.shape[0] > 100 and img.std() > 0  # a real, non-blank image
+
+
+def test_sweep_order_interleaves_and_rotates():
+    methods = [("ar", 0), ("dflash", 7), ("ddtree", 4)]
+    order = sweep_order([2, 1], methods, repeats=2)
+    assert len(order) == 2 * 3 * 3
+    A, C, T = methods
+    # (repeat, suite, prompt) blocks of all three methods, each rotated one further than the last
+    assert order == [(0, 0, 0, A), (0, 0, 0, C), (0, 0, 0, T),
+                     (0, 0, 1, C), (0, 0, 1, T), (0, 0, 1, A),
+                     (0, 1, 0, T), (0, 1, 0, A), (0, 1, 0, C),
+                     (1, 0, 0, A), (1, 0, 0, C), (1, 0, 0, T),
+                     (1, 0, 1, C), (1, 0, 1, T), (1, 0, 1, A),
+                     (1, 1, 0, T), (1, 1, 0, A), (1, 1, 0, C)]
+
+
+def test_eval_decodes_in_the_interleaved_order(trained_drafter_dir, tmp_path, monkeypatch):
+    """The decoding calls dflash-eval really makes: one warm-up call per method, then per prompt
+    every method back to back, in an order rotated from prompt to prompt, for each repeat."""
+    import dflash_train.evaluation.sweep as ev
+
+    questions = ["What is 2 + 2?", "Hello!", "Tell me about Oakgate."]
+    suite = tmp_path / "three.jsonl"
+    suite.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions))
+    calls, real_decode = [], ev.decode
+
+    def recording_decode(target, drafter, prompt_ids, method, budget, *rest):
+        text = target.tokenizer.decode(prompt_ids[0])
+        calls.append((next(i for i, q in enumerate(questions) if q in text), method, budget))
+        return real_decode(target, drafter, prompt_ids, method, budget, *rest)
+
+    monkeypatch.setattr(ev, "decode", recording_decode)
+    main(["--drafter", str(trained_drafter_dir), "--suite", str(suite), "--budgets", "4", "--max-new-tokens", "6",
+          "--repeats", "2", "--concurrency", "1", "--output", str(tmp_path / "out")])
+    A, C, T = ("ar", 0), ("dflash", 7), ("ddtree", 4)
+    expected = [(0, *A), (0, *C), (0, *T)]  # warm-up on the first prompt, untimed
+    rotations = [[A, C, T], [C, T, A], [T, A, C]]
+    for k in range(6):  # 2 repeats x 3 prompts, the rotation carried on across repeats
+        expected += [(k % 3, *m) for m in rotations[k % 3]]
+    assert calls == expected
+
+
+def test_summary_speedup_is_paired_per_prompt():
+    """The report's speedup on samples where the machine got 4x slower for the last two prompts
+    (both methods alike) and prompts differ in length: each prompt's AR / chain ratio is exactly
+    2, so the median is 2 with no spread. (Pure statistics are in tests/evaluation/test_speed.py.)"""
+    samples = []
+    for i in range(5):
+        load = 4.0 if i >= 3 else 1.0
+        for m, b, verify_s, lengths in [("ar", 0, 1.0, [1] * 20), ("dflash", 7, 0.5, [2] * 10)]:
+            stage_s = {"draft": 0.0, "tree": 0.0, "verify": verify_s * load * (1 + i), "commit": 0.0}
+            samples.append(Sample(0, i, 0, m, b, accept_lengths=lengths, outputs=[[1] * 21], decoded=20,
+                                  stage_s=stage_s))
+    args = argparse.Namespace(temperature=0.0, max_new_tokens=32, repeats=1)
+    ar = [x for x in samples if x.method == "ar"]
+    row, resampled = summarize([x for x in samples if x.method == "dflash"], ar, "s", 5, args, 8,
+                               speed.resample(5))
+    assert row["speedup"] == pytest.approx(2.0) and row["speedup_interval"] == [2.0, 2.0]
+    assert row["lossless"] is True and row["tau"] == 2.0
+
+
+def test_prediction_on_another_device_uses_its_costs():
+    """--verify-times: the device's verify curve, draft time and tree build, hand-computed here."""
+    samples = []
+    for i in range(4):
+        samples.append(Sample(0, i, 0, "ar", 0, accept_lengths=[1] * 12, decoded=12))
+        samples.append(Sample(0, i, 0, "ddtree", 16, accept_lengths=[4] * 3, decoded=12))
+    costs = {"device": "GPU", "verify_ms_by_width": {"1": 10, "16": 10, "128": 11}, "draft_ms": 1.0,
+             "tree_build_ms_by_budget": {"16": 0.5, "64": 1.0}}
+    args = argparse.Namespace(temperature=0.0, repeats=1, concurrency=[1, 4])
+    by_method = {m: [x for x in samples if (x.method, x.budget) == m] for m in [("ar", 0), ("ddtree", 16)]}
+    rows, verdicts = predictions(by_method, list(by_method), 4, args, speed.resample(4),
+                                 *device_costs_model(costs, 4, 1))
+    v17 = 10 + (11 - 10) * (17 - 16) / (128 - 16)  # linear in width between measured widths
+    assert rows[("ddtree", 16)]["1"]["speedup"] == pytest.approx(4 * 10 / (1.0 + 0.5 + v17), rel=1e-3)
+    v68 = 10 + (11 - 10) * (68 - 16) / (128 - 16)
+    # 4 requests: drafting 4x (no batch table), tree build per request, one verify of width 4 x 17
+    assert rows[("ddtree", 16)]["4"]["speedup"] == pytest.approx(4 * 10 / (4 * 1.0 + 4 * 0.5 + v68), rel=1e-3)
+    assert verdicts["1"]["recommended"] == {"method": "ddtree", "budget": 16}
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli.eval", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300)
+
+
+def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_target_dir):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("keep")
+    cases = [
+        (["--drafter", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")], "drafter not found"),
+        (["--drafter", str(trained_drafter_dir), "--target", str(llama_target_dir), "--output", str(tmp_path / "o2")],
+         "does not match target"),
+        (["--drafter", str(trained_drafter_dir), "--suite", "nope", "--output", str(tmp_path / "o3")],
+         "unknown suite"),
+        (["--drafter", str(trained_drafter_dir), "--budgets", "4,x", "--output", str(tmp_path / "o4")],
+         "--budgets must be"),
+        (["--drafter", str(trained_drafter_dir), "--output", str(busy)], "is not empty"),
+    ]
+    for i, (args, message) in enumerate(cases):
+        # the first case through the real command line, the rest in-process (the same code under cli_guard)
+        if i == 0:
+            r = run_cli(*args)
+            code, stderr = r.returncode, r.stderr
+        else:
+            code, _, stderr = run_main(main, args)
+        assert code == 2, (args, stderr[-2000:])
+        lines = [ln for ln in stderr.strip().splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1 and message in lines[0], stderr[-2000:]
+        assert "Traceback" not in stderr
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+    assert (busy / "x").read_text() == "keep"
+
+
+def test_cheap_inputs_are_checked_before_any_loading(tmp_path, trained_drafter_dir):
+    """Each bad flag is one line and exit 2, named before the (missing) drafter or target is
+    touched: the drafter and target given here do not exist, so reaching them would say so."""
+    nope = ["--drafter", str(tmp_path / "no-drafter"), "--target", str(tmp_path / "no-target")]
+    bad_costs = tmp_path / "costs.json"
+    bad_costs.write_text(json.dumps({"verify_ms_by_width": {"1": "fast"}, "draft_ms": 1.0}))
+    cases = [
+        (["--temperature", "nan"], "--temperature must be a finite number"),
+        (["--temperature=-1"], "--temperature must be a finite number"),
+        (["--device", "bogus"], "--device 'bogus' is not a device"),
+        (["--device", "mps"], "--device 'mps' is not supported"),
+        (["--limit", "0"], "--limit must be >= 1"),
+        (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--concurrency", "0,4"], "--concurrency must be integers >= 1"),
+        (["--concurrency", "4,x"], "--concurrency must be comma-separated integers"),
+        (["--budgets=-1,4"], "--budgets must be non-negative"),
+        (["--verify-times", str(bad_costs)], "is not a costs JSON"),
+        (["--verify-times", str(tmp_path / "missing.json")], "is not a costs JSON"),
+        (["--suite", str(tmp_path / "missing.jsonl")], "not found"),
+        (["--suite", f"gsm8k={tmp_path / 'missing.jsonl'}"], "not found"),
+    ]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "has no CUDA support" if torch.version.cuda is None else "no CUDA device"))
+    for args, message in cases:
+        out = tmp_path / "out"
+        code, _, err = run_main(main, [*nope, *args, "--output", out])
+        lines = [ln for ln in err.strip().splitlines() if ln.startswith("error:")]
+        assert code == 2 and len(lines) == 1 and message in lines[0], (args, err)
+        assert not out.exists()
+    # and a good suite with a missing target fails on the target, after the drafter loaded
+    code, _, err = run_main(main, ["--drafter", trained_drafter_dir, "--target", tmp_path / "no-target",
+                                   "--output", tmp_path / "out"])
+    assert code == 2 and "target not found" in err
+
+
+def test_target_dtype_bf16_decodes_and_is_recorded(trained_drafter_dir, tmp_path):
+    """--target-dtype bf16 runs target and drafter in bf16 (the fast CPU path on AVX-512 BF16) and
+    the report says so; at temperature 0 lossless is still computed (against the bf16 target's own
+    AR, which a tree's verify may part from at near-ties, so only fp32 must be exact). The default
+    on a CPU stays fp32."""
+    runs = {}
+    for dtype in ("bf16", "auto"):
+        out = tmp_path / dtype
+        main(["--drafter", str(trained_drafter_dir), "--budgets", "4", "--limit", "2", "--max-new-tokens", "16",
+              "--concurrency", "1", "--target-dtype", dtype, "--output", str(out)])
+        runs[dtype] = json.loads((out / "report.json").read_text())
+    assert runs["bf16"]["hardware"]["dtype"] == "bfloat16"
+    assert runs["auto"]["hardware"]["dtype"] == "float32"
+    assert "weights in bfloat16" in (tmp_path / "bf16" / "report.md").read_text()
+    for rep in runs.values():
+        assert {r["method"] for r in rep["results"]} == {"ar", "dflash", "ddtree"}
+        assert all(isinstance(r["lossless"], bool) for r in rep["results"])
+    assert all(r["lossless"] is True for r in runs["auto"]["results"])

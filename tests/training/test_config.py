@@ -1,0 +1,97 @@
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from dflash_train.core.errors import UserError
+from dflash_train.training.config import RunConfig, load_recipe
+
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_loads(recipe):
+    assert isinstance(load_recipe(recipe), RunConfig)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["output_dir=runs/x", "max_steps=50", "seed=3",
+                                                   "train.lr=1e-4", "model.target_layer_ids=[1, 3]"])
+    assert (cfg.output_dir, cfg.max_steps, cfg.seed) == ("runs/x", 50, 3)
+    assert cfg.train.lr == 1e-4 and cfg.model.target_layer_ids == [1, 3]
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.lrr=1", "unknown key 'train.lrr'"),
+    ("bogus=1", "unknown key 'bogus'"),
+    ("max_steps=many", "'max_steps'"),
+    ("max_steps=0", "'max_steps'"),
+    ("loss.ce_labels=maybe", "'loss.ce_labels'"),
+    ("train=3", "'train'"),
+    ("noequals", "not of the form key=value"),
+    ("train.betas=[0.9, 1.0]", r"'train.betas.1': Input should be less than 1"),
+    ("train.betas=[-0.1, 0.9]", r"'train.betas.0': Input should be greater than or equal to 0"),
+    ("eval.ddtree_budgets=[16, -4]", r"'eval.ddtree_budgets.1': Input should be greater than or equal to 0"),
+    ("loss.ce_weight=0.5", r"'loss.ce_weight' was replaced by loss.terms \(ce_weight: 1.0, kl_weight: 0.5 -> terms: "),
+    ("loss.kl_weight=0.5", "'loss.kl_weight' was replaced by loss.terms"),
+    ("loss.terms={ce: 0, tv: 0}", "no term with a positive weight"),
+    ("loss.terms={ce: -1}", "'loss.terms.ce'"),
+    ("loss.terms={xent: 1}", "'loss.terms.xent"),
+    ("loss.position_weight=linear", "'loss.position_weight'"),
+    ("loss.dpace_alpha=0", "'loss.dpace_alpha'"),
+])
+def test_recipe_errors_name_the_key(override, message):
+    with pytest.raises(UserError, match=message) as e:
+        load_recipe(ROOT / "recipes/tiny.yaml", [override])
+    assert "\n" not in str(e.value)
+
+
+def test_loss_terms_from_the_command_line():
+    cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["loss.terms={ce: 0.1, tv: 0.9}", "loss.position_weight=dpace"])
+    assert cfg.loss.terms == {"ce": 0.1, "tv": 0.9} and cfg.loss.position_weight == "dpace"
+    cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["loss.terms.kl=0.5"])  # one more term beside the recipe's
+    assert cfg.loss.terms == {"ce": 1.0, "kl": 0.5}
+
+
+@pytest.mark.parametrize("override", ["loss.terms={tv:1.0,kl:0.5}", "loss.terms={tv: 1.0, kl: 0.5}",
+                                      "loss.terms={'tv':1.0,\"kl\":0.5}"])
+def test_dict_and_list_overrides_as_hydra_and_yaml_spell_them(override):
+    """Hydra's `{tv:1.0}` (YAML alone reads it as the key 'tv:1.0' with no value) and YAML's `{tv: 1.0}`."""
+    assert load_recipe(ROOT / "recipes/tiny.yaml", [override]).loss.terms == {"tv": 1.0, "kl": 0.5}
+    for spelling in ["[1,5]", "[1, 5]"]:
+        assert load_recipe(ROOT / "recipes/tiny.yaml", [f"model.target_layer_ids={spelling}"]).model.target_layer_ids \
+            == [1, 5]
+    # a colon in a plain value is left alone
+    assert load_recipe(ROOT / "recipes/tiny.yaml", ["model.target=hf://org/name"]).model.target == "hf://org/name"
+
+
+@pytest.mark.parametrize("override", ["loss.terms.ce=.inf", "train.lr=.nan", "loss.gamma=.inf",
+                                      "train.betas=[0.9, .nan]"])
+def test_non_finite_recipe_numbers_are_refused(override):
+    with pytest.raises(UserError, match="Input should be a finite number"):
+        load_recipe(ROOT / "recipes/tiny.yaml", [override])
+
+
+def test_missing_and_malformed_recipe(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        load_recipe(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_recipe(bad)
+
+
+def test_cli_error_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dflash_train.train", "train.lrr=1",
+                        f"output_dir={tmp_path / 'out'}"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == ["error: recipe 'recipes/tiny.yaml': unknown key 'train.lrr'"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_default_recipe_and_shipped_ones_load_from_any_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe().model.target == "data/tiny-target"  # resolved by training (from the checkout)
+    assert load_recipe("recipes/qwen3-8b.yaml").model.target == "Qwen/Qwen3-8B"
+    with pytest.raises(UserError, match="recipe 'recipes/nope.yaml' not found"):
+        load_recipe("recipes/nope.yaml")

@@ -1,0 +1,141 @@
+"""Shipped recipes for real targets and the accelerate / DeepSpeed configs beside them."""
+
+import json
+
+import pytest
+
+from conftest import ROOT
+from dflash_train.core.errors import UserError
+from dflash_train.model.target import build_target_layer_ids
+from dflash_train.training.build import drafter_config_for
+from dflash_train.training.config import ModelConfig, load_recipe
+
+ACCEL = ROOT / "recipes" / "accelerate"
+# layer counts of the real targets (public configs), to check the recipes' taps against DFlash's rule
+LAYERS = {"qwen3-4b": 36, "qwen3-8b": 36, "llama-3.1-8b-instruct": 32, "qwen3-coder-30b-a3b": 48}
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_real_target_recipes(name):
+    cfg = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+    m = cfg.model
+    assert (m.num_layers, m.block_size, cfg.loss.gamma, cfg.train.lr) == (5, 16, 7.0, 6e-4)
+    assert m.target_layer_ids == build_target_layer_ids(LAYERS[name], m.num_layers)
+    assert max(m.target_layer_ids) <= LAYERS[name] - 2  # never the last layer
+    assert (m.mask_token_id == 151669) == name.startswith("qwen3")
+    assert cfg.data.num_anchors == 512 and cfg.data.max_length == 3072
+
+
+@pytest.mark.parametrize("name, kind, n", [("single_gpu", "NO", 1), ("ddp", "MULTI_GPU", 8), ("fsdp", "FSDP", 8),
+                                           ("deepspeed_zero2", "DEEPSPEED", 8), ("deepspeed_zero3", "DEEPSPEED", 8)])
+def test_accelerate_configs_parse(name, kind, n):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    c = load_config_from_file(str(ACCEL / f"{name}.yaml"))
+    assert c.distributed_type.value == kind and c.num_processes == n
+    if kind == "FSDP":
+        assert c.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "DFlashDecoderLayer"
+        from dflash_train.model import drafter as model
+        assert hasattr(model, c.fsdp_config["fsdp_transformer_layer_cls_to_wrap"])
+    if kind == "DEEPSPEED":
+        assert (ROOT / c.deepspeed_config["deepspeed_config_file"]).is_file()
+
+
+def _fill_auto(node, values: dict, path=""):
+    """Replace "auto" the way accelerate does at launch (values by dotted key)."""
+    if isinstance(node, dict):
+        return {k: _fill_auto(v, values, f"{path}{k}.") for k, v in node.items()}
+    return values[path[:-1]] if node == "auto" else node
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_configs_parse(stage):
+    pytest.importorskip("deepspeed")
+    from accelerate.utils import DeepSpeedPlugin
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    path = ACCEL / f"ds_zero{stage}.json"
+    plugin = DeepSpeedPlugin(hf_ds_config=str(path))
+    assert plugin.zero_stage == stage
+    H = 4096  # Qwen3-8B's hidden size, as accelerate fills the ZeRO-3 bucket sizes
+    filled = _fill_auto(json.loads(path.read_text()), {
+        "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "bf16.enabled": True,
+        "zero_optimization.reduce_bucket_size": H * H, "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * H * H),
+        "zero_optimization.stage3_param_persistence_threshold": 10 * H})
+    ds = DeepSpeedConfig(filled)
+    assert ds.zero_optimization_stage == stage and ds.gradient_clipping == 1.0 and ds.bfloat16_config.enabled
+
+
+def test_mask_token_id_for_tokenizers_without_a_mask_token(tiny_target):
+    cfg = drafter_config_for(tiny_target, ModelConfig(mask_token="<|nope|>", mask_token_id=1000))
+    assert cfg.mask_token_id == 1000
+    with pytest.raises(UserError, match="outside the target's embedding table"):
+        drafter_config_for(tiny_target, ModelConfig(mask_token_id=5000))
+    with pytest.raises(UserError, match="no mask token '<|nope|>'"):
+        drafter_config_for(tiny_target, ModelConfig(mask_token="<|nope|>"))
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_dspark_recipes_are_their_dflash_recipe_plus_dspark(name):
+    """recipes/*-dspark.yaml: the DFlash recipe beside it with only the DSpark keys, DSpark's
+    published objective and the run folder changed."""
+    dflash = load_recipe(ROOT / "recipes" / f"{name}.yaml").model_dump()
+    dspark = load_recipe(ROOT / "recipes" / f"{name}-dspark.yaml").model_dump()
+    assert dspark["model"]["variant"] == "dspark" and dspark["model"]["markov_rank"] == 256
+    assert dspark["model"]["markov_head_type"] == "vanilla" and dspark["model"]["confidence_head"]
+    assert dspark["output_dir"] == dflash["output_dir"] + "-dspark"
+    assert dspark["loss"]["terms"] == {"ce": 0.1, "tv": 0.9} and dspark["loss"]["position_weight"] == "exp"
+    assert dspark["loss"]["confidence_weight"] == 1.0
+    dspark_keys = {("model", k) for k in ("variant", "markov_rank", "markov_head_type", "confidence_head")} | {
+        ("loss", "terms"), ("loss", "position_weight")}
+    for section, values in dflash.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                if (section, k) not in dspark_keys:
+                    assert dspark[section][k] == v, (section, k)
+
+
+def test_fsdp_dspark_config_keeps_parameters_unsharded_to_backward():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    c = load_config_from_file(str(ACCEL / "fsdp_dspark.yaml"))
+    base = load_config_from_file(str(ACCEL / "fsdp.yaml"))
+    assert c.distributed_type.value == "FSDP" and c.fsdp_config["fsdp_reshard_after_forward"] is False
+    assert {k: v for k, v in c.fsdp_config.items() if k != "fsdp_reshard_after_forward"} == {
+        k: v for k, v in base.fsdp_config.items() if k != "fsdp_reshard_after_forward"}
+
+
+DFLASH2_KEYS = {("model", k) for k in ("variant", "conv_kernel_size", "conv_group_size", "selector_rank",
+                                       "selector_top_k")} | {("loss", "selector_weight")}
+
+
+@pytest.mark.parametrize("name", ["tiny"] + sorted(LAYERS))
+def test_dflash2_recipes_are_their_dflash_recipe_plus_dflash2(name):
+    """recipes/*-dflash2.yaml: the DFlash recipe beside it with only the DFlash2 keys (speculators'
+    DFlash2 defaults) and the run folder changed."""
+    dflash = load_recipe(ROOT / "recipes" / f"{name}.yaml").model_dump()
+    dflash2 = load_recipe(ROOT / "recipes" / f"{name}-dflash2.yaml").model_dump()
+    m = dflash2["model"]
+    assert (m["variant"], m["conv_kernel_size"], m["conv_group_size"], m["selector_rank"], m["selector_top_k"]) == (
+        "dflash2", 2, 16, 256, 16)
+    assert dflash2["loss"]["selector_weight"] == 1.0
+    assert dflash2["output_dir"] == dflash["output_dir"] + "-dflash2"
+    for section, values in dflash.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                if (section, k) not in DFLASH2_KEYS:
+                    assert dflash2[section][k] == v, (section, k)
+
+
+@pytest.mark.parametrize("variant", ["", "-dspark", "-dflash2"])
+def test_smollm2_recipes(variant):
+    """The real-target recipes (make real-target): taps by DFlash's rule for SmolLM2's 30 layers, the
+    mask an existing special token chat never uses, the three variants on one backbone and schedule."""
+    base = load_recipe(ROOT / "recipes" / "smollm2-135m.yaml")
+    cfg = load_recipe(ROOT / "recipes" / f"smollm2-135m{variant}.yaml")
+    m = cfg.model
+    assert m.target_layer_ids == build_target_layer_ids(30, m.num_layers) == [1, 27]
+    assert m.mask_token == "<empty_output>" and m.mask_token_id is None
+    assert m.variant == (variant[1:] or "dflash")
+    assert (cfg.max_steps, cfg.train, cfg.data, cfg.loss.terms, m.block_size) == \
+        (base.max_steps, base.train, base.data, base.loss.terms, base.model.block_size)

@@ -33,8 +33,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
-from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import require_free_output, write_atomically
+from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
+from dflash_train.core.outputs import marker_kind, require_free_output, write_atomically
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data import regenerate as regen
@@ -121,9 +121,9 @@ def load_tokenizer(args):
         raise UserError(f"cannot load the tokenizer of target '{args.target}': {first_line(e)}") from None
 
 
-def run_regeneration(args, tokenizer, conversations, eot: str, out: Path):
-    """The target answers every turn (regenerate.py). Returns per conversation the new messages
-    or a drop reason, the settings and counts for prepare_info.json, and the work folder."""
+def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
+    """The target answers every turn (regenerate.py), resuming from the work folder `work`. Returns
+    per conversation the new messages or a drop reason, and the settings and counts for prepare_info.json."""
     s = regen.Sampling(args.backend, args.temperature, args.top_p, args.max_new_tokens, args.seed, args.batch_size,
                        args.enable_thinking, args.keep_truncated)
     if args.backend == "vllm":
@@ -137,16 +137,25 @@ def run_regeneration(args, tokenizer, conversations, eot: str, out: Path):
         generate = regen.transformers_generate(target, stops, s)
     record = asdict(s) | {"target": args.target, "target_revision": args.target_revision,
                           "template_sha256": template_sha256(tokenizer), "stop_token_ids": stops}
-    work = out.with_name(f"{out.name}.work")
-    results, stats = regen.regenerate(conversations, tokenizer, generate, s, work, record)
-    return results, record | {"stats": stats}, work
+    try:
+        results, stats = regen.regenerate(conversations, tokenizer, generate, s, work, record)
+    except KeyboardInterrupt:
+        results = None
+    if results is None:  # outside the except block, so the progress bar has closed before our line
+        raise Interrupted(f"interrupted with {regen.conversations_done(work)} of {len(conversations)} conversations "
+                          f"regenerated (kept in '{work}'); rerun the same command to resume")
+    return results, record | {"stats": stats}
 
 
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.output)
-    require_free_output(out, args.overwrite, "prepare", [("--input", args.input), ("--target", args.target)])
+    inputs = [("--input", args.input), ("--target", args.target)]
+    require_free_output(out, args.overwrite, "prepare", inputs)
+    work = regen.work_folder(out) if args.regenerate else None
+    if work is not None:  # ours or absent, before anything is read, written or deleted
+        regen.check_work_folder(work, inputs)
     args.input, args.target = resolve_input(args.input), model_source(args.target, "target")
     if args.regenerate and args.backend == "vllm":
         regen.import_vllm()  # fail before reading anything
@@ -162,9 +171,9 @@ def main(argv=None):
     conversations, counts = read_conversations(islice(rows, args.max_rows), args.format, fields, args.strict,
                                                args.input)
     dropped = Counter(dict.fromkeys(DROP_REASONS, 0))
-    regeneration, work = None, None
+    regeneration = None
     if args.regenerate:
-        results, regeneration, work = run_regeneration(args, tokenizer, conversations, eot, out)
+        results, regeneration = run_regeneration(args, tokenizer, conversations, eot, work)
         dropped.update(r for r in results if isinstance(r, str))
         conversations = [r for r in results if not isinstance(r, str)]
 
@@ -220,8 +229,8 @@ def main(argv=None):
         (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
     write_atomically(out, write, "prepare")
-    if work is not None:
-        shutil.rmtree(work, ignore_errors=True)  # finished: nothing left to resume
+    if work is not None and marker_kind(work) == "regenerate":
+        shutil.rmtree(work, ignore_errors=True)  # ours, finished: nothing left to resume
     parts = f"train {len(train_idx)} / val {len(val_idx)}" if val_size else f"{n} rows"
     print(summary)
     print(f"wrote {parts}, {info['tokens']['total']:,} tokens ({info['tokens']['supervised']:,} supervised) to {out}")

@@ -21,7 +21,8 @@ from dflash_train.core.paths import resolve_input
 
 MARKER = ".dflash-train.json"
 KINDS = {"train": "a training run", "eval": "an eval report", "export": "an export",
-         "prepare": "a prepared dataset", "cache": "a hidden-state cache", "drafter": "a drafter"}
+         "prepare": "a prepared dataset", "cache": "a hidden-state cache", "drafter": "a drafter",
+         "regenerate": "a regeneration work folder"}
 
 
 def _read_umask() -> int:

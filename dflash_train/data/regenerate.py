@@ -14,6 +14,9 @@ target's own text (DFlash trains on target-regenerated answers). Used by `dflash
 - Resume: every finished chunk is appended to `<work_dir>/done.jsonl` (one line per conversation,
   keyed by its index and a hash of its input turns) and flushed; a rerun with the same input and
   settings skips the conversations found there. Other settings or input stop with an error.
+- The work folder (`OUT.work` beside dflash-prepare's OUT) carries the toolkit's marker
+  (core/outputs.py, kind "regenerate"): a folder there that this toolkit did not write, a file,
+  or one holding an input is refused before anything is read, written or deleted.
 - Drops (the conversation is dropped, counted by reason): `empty_generation` (an answer with no
   text), `hit_max_new_tokens` (an answer cut by --max-new-tokens before the end-of-turn token,
   unless --keep-truncated), `no_user_turn`.
@@ -38,6 +41,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from dflash_train.core.errors import UserError
+from dflash_train.core.outputs import (KINDS, MARKER, Inputs, check_folder_path, is_empty, marker_kind, refuse_overlap,
+                                       write_marker)
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.model.target import Target
 
@@ -201,22 +206,78 @@ def conversation_key(messages: list[dict]) -> str:
     return hashlib.sha256(json.dumps(messages, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def work_folder(out: Path) -> Path:
+    """dflash-prepare's work folder for OUT: OUT.work beside it (`--output .` too)."""
+    out = Path(out)
+    if out.name in ("", ".", ".."):
+        return Path(f"{os.path.abspath(out)}.work")
+    return out.with_name(f"{out.name}.work")
+
+
+def check_work_folder(work_dir: Path, inputs: Inputs = ()) -> None:
+    """Before anything is read, written or deleted: `work_dir` is absent, empty, or a regeneration
+    work folder this toolkit wrote; it is not a file, and no input is, holds or lies inside it."""
+    flag = "the regeneration work folder"
+    check_folder_path(work_dir, flag)
+    refuse_overlap(work_dir, list(inputs), flag)
+    if is_empty(work_dir):
+        return
+    kind = marker_kind(work_dir)
+    if kind != "regenerate":
+        why = (f"holds {KINDS.get(kind, kind)}" if kind else
+               f"was not written by dflash-prepare --regenerate (no {MARKER})")
+        raise UserError(f"{flag} '{work_dir}' is not empty and {why}: move it away, or choose another --output")
+
+
+def conversations_done(work_dir: Path) -> int:
+    """How many finished conversations `work_dir` holds (for the line of an interrupted run)."""
+    try:
+        lines = (Path(work_dir) / DONE_FILE).read_text().splitlines()
+    except OSError:
+        return 0
+    n = 0
+    for line in lines:
+        try:
+            n += isinstance(json.loads(line), dict)
+        except json.JSONDecodeError:
+            pass
+    return n
+
+
+def _damaged(work_dir: Path, what: str) -> UserError:
+    return UserError(f"the regeneration work folder '{work_dir}' is damaged ({what}): delete it to start over")
+
+
 def _read_done(work_dir: Path, record: dict, keys: list[str]) -> dict[int, dict]:
     """Finished conversations of an earlier run with the same settings and input."""
     settings = work_dir / SETTINGS_FILE
     if settings.is_file():
-        old = json.loads(settings.read_text())
+        try:
+            old = json.loads(settings.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise _damaged(work_dir, f"{SETTINGS_FILE} does not parse: {e}") from None
+        if not isinstance(old, dict):
+            raise _damaged(work_dir, f"{SETTINGS_FILE} is not a JSON object")
         diff = [f"{k}: {old.get(k)!r} != {v!r}" for k, v in record.items() if old.get(k) != v]
         if diff:
             raise UserError(f"'{work_dir}' holds answers made with other settings ({'; '.join(diff)}): "
                             "rerun with the same settings to resume, or delete it to start over")
     done = {}
     if (work_dir / DONE_FILE).is_file():
-        for line in (work_dir / DONE_FILE).read_text().splitlines():
+        try:
+            lines = (work_dir / DONE_FILE).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise _damaged(work_dir, f"{DONE_FILE} cannot be read: {e}") from None
+        for n, line in enumerate(lines, 1):
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by the interruption: that conversation is answered again
+            missing = ([k for k in ("i", "key", "tokens") if k not in row] if isinstance(row, dict) else ["i"])
+            if not missing and not ("messages" in row or "dropped" in row):
+                missing = ["messages"]
+            if missing or not isinstance(row["i"], int) or row["i"] < 0:
+                raise _damaged(work_dir, f"{DONE_FILE} line {n} has no valid '{(missing or ['i'])[0]}'")
             i = row["i"]
             if i >= len(keys) or row["key"] != keys[i]:
                 raise UserError(f"'{work_dir}' holds answers for other input (conversation {i} differs): "
@@ -225,18 +286,30 @@ def _read_done(work_dir: Path, record: dict, keys: list[str]) -> dict[int, dict]
     return done
 
 
+def _write_settings(work_dir: Path, record: dict) -> None:
+    """settings.json, written beside and renamed: an interruption never leaves it cut short."""
+    part = work_dir / f".{SETTINGS_FILE}.part"
+    part.write_text(json.dumps(record, indent=2) + "\n")
+    os.replace(part, work_dir / SETTINGS_FILE)
+
+
 def regenerate(conversations: list[list[dict]], tokenizer, generate: GenerateFn, s: Sampling, work_dir: Path,
                record: dict) -> tuple[list[list[dict] | str], dict]:
     """Regenerate all conversations, resuming from `work_dir`. `record` (settings, target, template)
     must match an earlier run's to resume. Returns per conversation the new messages or a drop
     reason, and counts."""
     keys = [conversation_key(c) for c in conversations]
-    work_dir.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(work_dir)
+    check_work_folder(work_dir)
     done = _read_done(work_dir, record, keys)
-    (work_dir / SETTINGS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    write_marker(work_dir, "regenerate")
+    _write_settings(work_dir, record)
     resumed = len(done)
     bar = tqdm(total=len(conversations), initial=resumed, desc="regenerate", unit="conv", mininterval=BAR_INTERVAL)
     with open(work_dir / DONE_FILE, "a") as f:
+        if f.tell() and not (work_dir / DONE_FILE).read_bytes().endswith(b"\n"):
+            f.write("\n")  # a line cut by an interruption stays alone on its line, not glued to the next
         for lo in range(0, len(conversations), s.batch_size):
             hi = min(lo + s.batch_size, len(conversations))
             if all(i in done for i in range(lo, hi)):

@@ -211,3 +211,20 @@ def test_kept_truncated_answer_is_supervised_to_the_cut_without_end_of_turn(tmp_
 def test_vllm_backend_needs_vllm():
     with pytest.raises(UserError, match="needs the 'vllm' package"):
         regen.import_vllm()
+
+
+def test_regenerate_writes_only_into_a_work_folder_of_its_own(tiny_target, tmp_path):
+    """The library call checks the work folder too: one it did not write is refused, untouched."""
+    tok, convs = tiny_target.tokenizer, tiny_conversations(2)
+    work = tmp_path / "mine"
+    work.mkdir()
+    (work / "notes.txt").write_text("my notes")
+    with pytest.raises(UserError, match="was not written by dflash-prepare --regenerate"):
+        regen.regenerate(convs, tok, fake_generate(tok, {}, []), GREEDY, work, {})
+    assert [p.name for p in work.iterdir()] == ["notes.txt"]
+    ours = tmp_path / "ours"
+    regen.regenerate(convs, tok, fake_generate(tok, {}, []), GREEDY, ours, {})
+    assert sorted(p.name for p in ours.iterdir()) == [".dflash-train.json", regen.DONE_FILE, regen.SETTINGS_FILE]
+    regen.check_work_folder(ours)  # ours: resumable
+    assert regen.work_folder(tmp_path / "out") == tmp_path / "out.work"
+    assert regen.work_folder(tmp_path / "out" / "..") == tmp_path.parent / f"{tmp_path.name}.work"

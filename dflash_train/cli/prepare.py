@@ -41,6 +41,7 @@ from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import (DROP_REASONS, FORMATS, Fields, INFO_FILE, ROLE_NAMES, encode_conversations,
                                     end_of_turn, input_kind, read_conversations, read_rows, split_indices,
                                     template_sha256, to_dataset)
+from dflash_train.data.engine import static_generate
 from dflash_train.model.target import LOAD_ERRORS, first_line, load_target, target_dtype
 
 
@@ -79,7 +80,9 @@ def parse_args(argv):
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     g = p.add_argument_group("regeneration (the target writes the assistant turns; see dflash_train/data/regenerate.py)")
     g.add_argument("--regenerate", action="store_true", help="replace every assistant turn by the target's answer")
-    g.add_argument("--backend", choices=["transformers", "vllm"], default="transformers")
+    g.add_argument("--backend", choices=["transformers", "static", "vllm"], default="transformers",
+                   help="static: continuous batching over a static KV cache on the CPU, --batch-size answers at "
+                        "a time (Llama/Qwen3 targets; data/engine.py)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=2048, help="per assistant turn")
@@ -134,7 +137,8 @@ def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
         target = load_target(args.target, revision=args.target_revision, device=device,
                              dtype=target_dtype(args.target_dtype, device), trust_remote_code=args.trust_remote_code)
         stops = regen.stop_token_ids(tokenizer, eot, target.model.generation_config.eos_token_id)
-        generate = regen.transformers_generate(target, stops, s)
+        generate = (static_generate(target, stops, s, slots=args.batch_size) if args.backend == "static" else
+                    regen.transformers_generate(target, stops, s))
     record = asdict(s) | {"target": args.target, "target_revision": args.target_revision,
                           "template_sha256": template_sha256(tokenizer), "stop_token_ids": stops}
     try:

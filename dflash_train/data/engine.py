@@ -194,15 +194,23 @@ def generate_all(engine: StaticEngine, prompts: list[list[int]], stop_ids: list[
     return out
 
 
-def static_generate(target: Target, stop_ids: list[int], s: Sampling, slots: int, max_len: int) -> GenerateFn:
-    """regenerate.GenerateFn on the static engine (`--backend static`): the same answers as `transformers`
-    at temperature 0 up to float ties (tests/data/test_engine.py compares them token for token)."""
+def static_generate(target: Target, stop_ids: list[int], s: Sampling, slots: int, max_len: int = 0) -> GenerateFn:
+    """regenerate.GenerateFn on the static engine (`--backend static`, CPU): the same answers as
+    `transformers` at temperature 0 up to float ties (tests/data/test_engine.py compares them token for
+    token). The cache holds max_len positions, grown for a call whose longest prompt + answer needs more."""
+    if next(target.model.parameters()).device.type != "cpu":
+        raise UserError("--backend static runs on the CPU: use --device cpu, or --backend transformers / vllm")
     try:
-        engine = StaticEngine(target.model, slots, max_len)
+        LlamaWeights(target.model)
     except ValueError as e:
         raise UserError(f"--backend static: {e}; use --backend transformers") from None
+    engine = None
 
     def generate(prompts: list[list[int]], seed: int) -> list[Generation]:
+        nonlocal engine
+        need = max(len(p) for p in prompts) + s.max_new_tokens + 1
+        if engine is None or engine.max_len < need:
+            engine = StaticEngine(target.model, slots, max(need, max_len))
         return generate_all(engine, prompts, stop_ids, s.max_new_tokens, s.temperature, s.top_p, seed)
 
     return generate

@@ -24,7 +24,8 @@ target's own text (DFlash trains on target-regenerated answers). Used by `dflash
   stored as {"role": "assistant", "content": ..., "truncated": true}; dflash-prepare then
   supervises its tokens up to the cut and no end-of-turn token after it, since the target never
   wrote one there (chat.encode_conversations).
-- Backends: `transformers` (batched `generate`) or `vllm` (when importable; same output).
+- Backends: `transformers` (batched `generate`), `static` (engine.py: continuous batching over a static KV
+  cache, CPU; same greedy output) or `vllm` (when importable; same output).
 """
 
 import hashlib
@@ -52,7 +53,7 @@ SETTINGS_FILE = "settings.json"  # what the lines in DONE_FILE were made with
 
 @dataclass(frozen=True)
 class Sampling:
-    backend: str  # "transformers" or "vllm"
+    backend: str  # "transformers", "static" (engine.py) or "vllm"
     temperature: float  # 0 = greedy
     top_p: float  # nucleus sampling (only when temperature > 0)
     max_new_tokens: int  # per assistant turn

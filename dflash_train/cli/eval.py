@@ -47,6 +47,9 @@ MAX_BUDGET = 4096
 MAX_CONCURRENCY = 256
 
 
+MAX_REPEATS = 100
+
+
 def parse_budgets(text: str) -> list[int]:
     """DDTree budgets; 0 means plain decoding, which always runs (as AR) and is not a tree."""
     try:
@@ -155,8 +158,8 @@ def parse_args(argv):
         p.error("--max-new-tokens must be >= 2 (the first token comes from the prefill; rounds decode the rest)")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
-    if args.repeats < 1:
-        p.error(f"--repeats must be >= 1, got {args.repeats}")
+    if not 1 <= args.repeats <= MAX_REPEATS:  # each repeat keeps every sample in memory (1e9 was OOM-killed)
+        p.error(f"--repeats must be in 1..{MAX_REPEATS} (timing samples of the whole sweep), got {args.repeats}")
     args.budgets = parse_budgets(args.budgets)
     args.concurrency = parse_concurrency(args.concurrency)
     args.device = resolve_device(args.device)

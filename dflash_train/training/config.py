@@ -23,6 +23,12 @@ REPLACED_KEYS = {
 }
 
 
+# The largest tree budget a recipe may name (validation's DDTree trees, tree distillation's trees): a
+# tree's scores and masks grow with budget x block x vocabulary, and tree_distill.budget=100000 asked
+# the allocator for 40 GB. 4096 is 16x the largest budget our benchmarks deploy (256). docs/training.md.
+MAX_TREE_BUDGET = 4096
+
+
 class Section(BaseModel):
     # extra="forbid": a misspelt key is an error, never silently ignored; allow_inf_nan=False:
     # .inf and .nan are refused (loss.terms.ce=.inf trained an all-NaN drafter).
@@ -128,7 +134,7 @@ class EvalConfig(Section):
     max_samples: int | None = Field(None, ge=1)  # cap on held-out conversations
     # Teacher-forced DDTree acceptance at these tree budgets (tree from the drafter's block
     # distributions, walked along the target's tokens), to pick checkpoints per deployed budget.
-    ddtree_budgets: list[Annotated[int, Field(ge=0)]] = [16, 64]
+    ddtree_budgets: list[Annotated[int, Field(ge=0, le=MAX_TREE_BUDGET)]] = [16, 64]
     ddtree_max_blocks: int = Field(2000, ge=1)  # blocks scored with trees per validation, per process (CPU heap work)
     # The tree budget the drafter is deployed with (one of ddtree_budgets): the run names the saved
     # checkpoint (or final/) with the best held-out DDTree tau there (summary.json "chosen"), and
@@ -137,6 +143,8 @@ class EvalConfig(Section):
 
     @model_validator(mode="after")
     def _deploy_budget_is_validated(self):
+        if len(set(self.ddtree_budgets)) != len(self.ddtree_budgets):
+            raise ValueError(f"eval.ddtree_budgets {self.ddtree_budgets} names a budget twice")
         if self.deploy_budget is not None and self.deploy_budget not in self.ddtree_budgets:
             raise ValueError(f"eval.deploy_budget {self.deploy_budget} is not among eval.ddtree_budgets "
                              f"{self.ddtree_budgets}: validation must measure it")
@@ -149,7 +157,7 @@ class TreeDistillConfig(Section):
     # forward over them; KL toward the target at every node, weighted by `weight` (0: off).
     weight: float = Field(0.0, ge=0)
     anchors: int = Field(2, ge=1)
-    budget: int = Field(16, ge=1)
+    budget: int = Field(16, ge=1, le=MAX_TREE_BUDGET)
     every: int = Field(1, ge=1)
 
 
@@ -184,6 +192,9 @@ class RunConfig(Section):
         if self.tree_distill.weight > 0 and not (m.variant == "dflash2" or (m.variant == "dspark" and m.markov_rank > 0)):
             raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank > 0, "
                              f"or dflash2); model.variant={m.variant} has none")
+        if self.tree_distill.weight > 0 and self.tree_distill.every > self.max_steps:
+            raise ValueError(f"tree_distill.every={self.tree_distill.every} is past max_steps={self.max_steps}: "
+                             "no step would ever distil (lower every, or set tree_distill.weight=0)")
         return self
 
 
@@ -250,15 +261,35 @@ def apply_override(tree: dict, override: str) -> None:
     node[parts[-1]] = parse_value(raw)
 
 
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load keeps the last of two equal keys (`loss:` twice dropped the first section): refuse."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' appears twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_recipe(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     path = Path(path or DEFAULT_RECIPE)
     file = Path(resolve_input(str(path)))
+    if file.is_dir():
+        raise UserError(f"recipe '{path}' is a folder: give a recipe .yaml file (recipes/*.yaml)")
     if not file.is_file():
         raise UserError(f"recipe '{path}' not found")
     try:
-        tree = yaml.safe_load(file.read_text()) or {}
+        tree = yaml.load(file.read_text(encoding="utf-8"), Loader=UniqueKeyLoader) or {}
+    except UnicodeDecodeError:
+        raise UserError(f"recipe '{path}' is not UTF-8 text (a binary file?)") from None
     except yaml.YAMLError as e:
-        raise UserError(f"recipe '{path}' is not valid YAML: {str(e).splitlines()[0]}") from e
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        what = next((line for line in lines if "appears twice" in line), lines[0] if lines else type(e).__name__)
+        raise UserError(f"recipe '{path}' is not valid YAML: {what}") from e
     if not isinstance(tree, dict):
         raise UserError(f"recipe '{path}' must be a mapping of keys to values")
     for override in overrides:

@@ -715,9 +715,9 @@ def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
                if accelerator.device.type == "cuda" else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     metrics_file.close()
-    tree = ", ".join(f"DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
+    tree = "".join(f", DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
     print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
-          f"train tokens/s; held-out EAL {val['eal']:.2f} (chain), {tree}; acc@1 "
+          f"train tokens/s; held-out EAL {val['eal']:.2f} (chain){tree}; acc@1 "
           f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
     c = summary["chosen"]
     if c["folder"] != "final":

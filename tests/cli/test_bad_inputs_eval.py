@@ -101,6 +101,8 @@ EVAL_CASES = {
                     "--budgets 100000 is above the limit of 4096"),
     "huge_concurrency": (lambda i: ["--drafter", i["drafter"], "--concurrency", "1,100000"],
                          "--concurrency 100000 is above the limit of 256"),
+    "huge_repeats": (lambda i: ["--drafter", i["drafter"], "--repeats", "1000000000"],
+                     "--repeats must be in 1..100"),
 }
 
 EXPORT_CASES = {

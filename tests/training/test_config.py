@@ -95,3 +95,43 @@ def test_the_default_recipe_and_shipped_ones_load_from_any_folder(tmp_path, monk
     assert load_recipe("recipes/qwen3-8b.yaml").model.target == "Qwen/Qwen3-8B"
     with pytest.raises(UserError, match="recipe 'recipes/nope.yaml' not found"):
         load_recipe("recipes/nope.yaml")
+
+
+RECIPE_CASES = {  # recipe text (None: binary bytes) -> the one line it gets
+    "duplicated_section": ("loss:\n  position_weight: exp\nloss:\n  position_weight: dpace\n",
+                           "key 'loss' appears twice in one mapping"),
+    "duplicated_key": ("max_steps: 5\nmax_steps: 6\n", "key 'max_steps' appears twice"),
+    "binary": (None, "is not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("case", list(RECIPE_CASES))
+def test_a_recipe_that_yaml_would_read_wrongly_is_one_line(case, tmp_path):
+    text, fragment = RECIPE_CASES[case]
+    recipe = tmp_path / "r.yaml"
+    if text is None:
+        recipe.write_bytes(bytes(range(256)) * 8)
+    else:
+        recipe.write_text(text)
+    with pytest.raises(UserError, match=fragment):
+        load_recipe(recipe)
+
+
+def test_a_recipe_folder_is_named_as_a_folder(tmp_path):
+    with pytest.raises(UserError, match="is a folder: give a recipe .yaml file"):
+        load_recipe(tmp_path)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.variant=dflash2", "tree_distill.weight=1.0", "tree_distill.every=50", "max_steps=10"],
+     "tree_distill.every=50 is past max_steps=10: no step would ever distil"),
+    (["model.variant=dflash2", "tree_distill.weight=1.0", "tree_distill.budget=100000"],
+     "'tree_distill.budget': Input should be less than or equal to 4096"),
+    (["eval.ddtree_budgets=[4, 4]"], "eval.ddtree_budgets [4, 4] names a budget twice"),
+])
+def test_schedules_and_budgets_that_cannot_work_are_refused(overrides, fragment):
+    with pytest.raises(UserError, match=fragment.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe(ROOT / "recipes/tiny.yaml", overrides)
+    # the same schedule that can run is fine
+    load_recipe(ROOT / "recipes/tiny.yaml", ["model.variant=dflash2", "tree_distill.weight=1.0",
+                                             "tree_distill.every=10", "max_steps=10"])

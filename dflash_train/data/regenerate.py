@@ -215,16 +215,28 @@ def work_folder(out: Path) -> Path:
     return out.with_name(f"{out.name}.work")
 
 
+def _unmarked_work_folder(work_dir: Path) -> bool:
+    """A work folder from before the marker (an older dflash-prepare, or one seeded by data/corpus.py):
+    nothing but a settings.json that is a JSON object and a done.jsonl. regenerate() marks it."""
+    try:
+        names = {p.name for p in work_dir.iterdir()}
+        return names <= {SETTINGS_FILE, DONE_FILE} and SETTINGS_FILE in names and isinstance(
+            json.loads((work_dir / SETTINGS_FILE).read_text()), dict)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+
+
 def check_work_folder(work_dir: Path, inputs: Inputs = ()) -> None:
     """Before anything is read, written or deleted: `work_dir` is absent, empty, or a regeneration
-    work folder this toolkit wrote; it is not a file, and no input is, holds or lies inside it."""
+    work folder this toolkit wrote (marked, or unmarked with only its two files); it is not a file,
+    and no input is, holds or lies inside it."""
     flag = "the regeneration work folder"
     check_folder_path(work_dir, flag)
     refuse_overlap(work_dir, list(inputs), flag)
     if is_empty(work_dir):
         return
     kind = marker_kind(work_dir)
-    if kind != "regenerate":
+    if kind != "regenerate" and not (kind is None and _unmarked_work_folder(work_dir)):
         why = (f"holds {KINDS.get(kind, kind)}" if kind else
                f"was not written by dflash-prepare --regenerate (no {MARKER})")
         raise UserError(f"{flag} '{work_dir}' is not empty and {why}: move it away, or choose another --output")

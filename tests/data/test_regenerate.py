@@ -228,3 +228,23 @@ def test_regenerate_writes_only_into_a_work_folder_of_its_own(tiny_target, tmp_p
     regen.check_work_folder(ours)  # ours: resumable
     assert regen.work_folder(tmp_path / "out") == tmp_path / "out.work"
     assert regen.work_folder(tmp_path / "out" / "..") == tmp_path.parent / f"{tmp_path.name}.work"
+
+
+def test_an_unmarked_work_folder_holding_only_its_own_files_is_resumed(tiny_target, tmp_path):
+    """A work folder from before the marker (older dflash-prepare, or seeded by data/corpus.py):
+    only settings.json (a JSON object) and done.jsonl. It is resumed, and marked; one more file,
+    or a settings.json that does not parse, and it is not ours."""
+    tok, convs = tiny_target.tokenizer, tiny_conversations(2)
+    work = tmp_path / "old"
+    regen.regenerate(convs, tok, fake_generate(tok, {}, []), GREEDY, work, {})
+    (work / ".dflash-train.json").unlink()
+    _, stats = regen.regenerate(convs, tok, fake_generate(tok, {}, []), GREEDY, work, {})
+    assert stats["resumed"] == 2 and (work / ".dflash-train.json").is_file()
+    (work / ".dflash-train.json").unlink()
+    (work / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="not written by"):
+        regen.check_work_folder(work)
+    (work / "notes.txt").unlink()
+    (work / regen.SETTINGS_FILE).write_text("{\"cut")
+    with pytest.raises(UserError, match="not written by"):
+        regen.check_work_folder(work)

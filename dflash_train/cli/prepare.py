@@ -45,6 +45,9 @@ from dflash_train.data.engine import static_generate
 from dflash_train.model.target import LOAD_ERRORS, first_line, load_target, target_dtype
 
 
+MAX_TEMPERATURE = 2.0  # beyond it a target's samples are close to uniform noise
+
+
 def parse_args(argv):
     p = OneLineArgumentParser(prog="dflash-prepare", description=__doc__.splitlines()[0],
                               epilog="Then: dflash-train data.train=OUT/train data.val=OUT/val")
@@ -83,7 +86,9 @@ def parse_args(argv):
     g.add_argument("--backend", choices=["transformers", "static", "vllm"], default="transformers",
                    help="static: continuous batching over a static KV cache on the CPU, --batch-size answers at "
                         "a time (Llama/Qwen3 targets; data/engine.py)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help=f"0 = greedy (default); at most {MAX_TEMPERATURE:g} (hotter samples are noise, not the "
+                        "target's text)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=2048, help="per assistant turn")
     g.add_argument("--keep-truncated", action="store_true",
@@ -100,8 +105,17 @@ def parse_args(argv):
     for name in ["val_size", "max_rows", "max_length", "max_new_tokens", "batch_size"]:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.min_supervised_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1:
-        p.error("--min-supervised-tokens and --temperature must be >= 0, --top-p in (0, 1]")
+    if args.min_supervised_tokens < 0 or not 0 < args.top_p <= 1:
+        p.error("--min-supervised-tokens must be >= 0, --top-p in (0, 1]")
+    if not 0 <= args.temperature <= MAX_TEMPERATURE:  # refuses nan and inf too
+        p.error(f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got {args.temperature}")
+    if args.min_supervised_tokens > args.max_length:
+        p.error(f"--min-supervised-tokens {args.min_supervised_tokens} is more than --max-length {args.max_length}: "
+                "every conversation would be dropped")
+    if not 0 <= args.seed < 2**32:
+        p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
+    if args.backend == "vllm" and args.target_dtype != "auto":
+        p.error("--target-dtype applies to the transformers and static backends (vLLM picks its own dtype)")
     return args
 
 
@@ -132,14 +146,18 @@ def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
     if args.backend == "vllm":
         stops = regen.stop_token_ids(tokenizer, eot)
         generate = regen.vllm_generate(args.target, args.target_revision, args.trust_remote_code, stops, s)
+        dtype = "auto"  # vLLM's choice
     else:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        torch_dtype = target_dtype(args.target_dtype, device)
+        dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(torch_dtype, str(torch_dtype))
         target = load_target(args.target, revision=args.target_revision, device=device,
-                             dtype=target_dtype(args.target_dtype, device), trust_remote_code=args.trust_remote_code)
+                             dtype=torch_dtype, trust_remote_code=args.trust_remote_code)
         stops = regen.stop_token_ids(tokenizer, eot, target.model.generation_config.eos_token_id)
         generate = (static_generate(target, stops, s, slots=args.batch_size) if args.backend == "static" else
                     regen.transformers_generate(target, stops, s))
-    record = asdict(s) | {"target": args.target, "target_revision": args.target_revision,
+    # The dtype the target computed in is part of the resume key: bf16 and fp32 answers are not mixed.
+    record = asdict(s) | {"target": args.target, "target_revision": args.target_revision, "target_dtype": dtype,
                           "template_sha256": template_sha256(tokenizer), "stop_token_ids": stops}
     try:
         results, stats = regen.regenerate(conversations, tokenizer, generate, s, work, record)

@@ -185,3 +185,37 @@ def test_a_line_cut_by_an_interruption_is_answered_again(tmp_path, capsys, monke
     prepare.main(argv(src, out))
     info = json.loads((out / "prepare_info.json").read_text())
     assert info["regeneration"]["stats"]["resumed"] == 2 and info["counts"]["read"] == 4
+
+
+# --- numeric options bounded; the target's dtype in the resume key (issue 30) --------------------
+@pytest.mark.parametrize("extra, says", [
+    (["--temperature", "inf"], "--temperature must be a number from 0 (greedy) to 2"),
+    (["--temperature", "nan"], "--temperature must be a number from 0 (greedy) to 2"),
+    (["--temperature", "-0.5"], "--temperature must be a number from 0 (greedy) to 2"),
+    (["--temperature", "2.5"], "--temperature must be a number from 0 (greedy) to 2"),
+    (["--top-p", "nan"], "--top-p in (0, 1]"),
+    (["--val-fraction", "nan"], "--val-fraction must be in (0, 1)"),
+    (["--val-fraction", "inf"], "--val-fraction must be in (0, 1)"),
+    (["--seed", "-1"], "--seed must be from 0 to 2**32 - 1"),
+    (["--seed", str(2**64)], "--seed must be from 0 to 2**32 - 1"),
+    (["--max-length", "16", "--min-supervised-tokens", "17"], "every conversation would be dropped"),
+    (["--backend", "vllm", "--target-dtype", "fp32"], "--target-dtype applies to the transformers and static"),
+])
+def test_numeric_options_out_of_range_are_one_line(tmp_path, capsys, extra, says):
+    out = tmp_path / "out"
+    line = refused(capsys, argv(rows(tmp_path / "in.jsonl"), out, *extra))
+    assert says in line and not out.exists() and not (tmp_path / "out.work").exists()
+
+
+def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(tmp_path, capsys, monkeypatch):
+    src, out, work = damaged_work(tmp_path, monkeypatch, lambda w: None)  # interrupted, in fp32 (auto on a CPU)
+    assert json.loads((work / regen.SETTINGS_FILE).read_text())["target_dtype"] == "fp32"
+    capsys.readouterr()
+    monkeypatch.undo()
+    before = tree(work)
+    line = refused(capsys, argv(src, out, "--target-dtype", "bf16"))
+    assert "holds answers made with other settings (target_dtype: 'fp32' != 'bf16')" in line
+    assert tree(work) == before and not out.exists()
+    prepare.main(argv(src, out, "--target-dtype", "fp32"))
+    info = json.loads((out / "prepare_info.json").read_text())
+    assert info["regeneration"]["target_dtype"] == "fp32" and info["regeneration"]["stats"]["resumed"] == 2

@@ -7,7 +7,7 @@ then decoded by dflash-eval (temperature 0, lossless) on the bundled prompts.
 
 Rows: DFlash (the tiny recipe), DFlash2 with the DDTree built from its unary marginals alone
 (`--tree-scores marginal`), DFlash2 with the selector's path-conditioned tree (`conditional`).
-Columns as in the issue-12 table (benchmarks/README.md): tau of the chain (DFlash2's is the
+Columns as in the issue-12 table (docs/benchmarks/dspark-vs-dflash.md): tau of the chain (DFlash2's is the
 greedy selector walk) and of DDTree at budgets 16 / 64 / 256 (tokens per target forward, bonus
 included), off-spine accuracy at budget 64 (along the accepted path, how often the drafter's best
 child under an accepted node that was not the drafter's argmax is the target's next token;

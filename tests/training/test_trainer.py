@@ -263,7 +263,7 @@ LAUNCHERS = {"accelerate": [*LAUNCH, "--num_processes", "1"],
 @pytest.mark.parametrize("launcher", LAUNCHERS)
 def test_a_bad_recipe_value_under_each_launcher_is_our_line_once_and_first(launcher, tmp_path):
     """Every process meets the bad value; one line is printed, before the launcher's own report
-    (which exits 1 for any failed child: see README, Troubleshooting)."""
+    (which exits 1 for any failed child: see docs/troubleshooting.md)."""
     r = subprocess.run([*LAUNCHERS[launcher], "dflash_train/train.py", "train.betas=[0.9, 1.5]",
                         f"output_dir={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -89,6 +90,21 @@ def check_folder_path(out: Path, flag: str) -> None:
             return
 
 
+def check_writable(out: Path, flag: str) -> None:
+    """A folder can be made where `out` goes (its temporary sibling, then the swap, are made in its
+    parent, or the nearest existing folder above), tried with an empty folder made and removed at
+    once: /proc/x, a read-only file system or a folder without write permission give one line
+    before the work, not a traceback after it."""
+    parent = Path(os.path.abspath(out)).parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dflash-probe-", dir=parent))
+    except OSError as e:
+        raise UserError(f"{flag} '{out}' cannot be written: no folder can be made in '{parent}' "
+                        f"({e.strerror or type(e).__name__})") from None
+
+
 def is_empty(out: Path) -> bool:
     return not out.exists() or not any(out.iterdir())
 
@@ -100,6 +116,7 @@ def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
     out = Path(out)
     check_folder_path(out, flag)
     refuse_overlap(out, inputs, flag)
+    check_writable(out, flag)
     if is_empty(out):
         return
     found = marker_kind(out)

@@ -48,8 +48,8 @@ from transformers import get_cosine_schedule_with_warmup
 from dflash_train.checkpoint.folders import (check_resumable, count_parameters, load_checkpoint, newest_checkpoint,
                                              save_drafter, write_checkpoint)
 from dflash_train.core.errors import UserError
-from dflash_train.core.outputs import (KINDS, MARKER, check_folder_path, is_empty, marker_kind, refuse_overlap, sibling,
-                                       write_marker)
+from dflash_train.core.outputs import (KINDS, MARKER, check_folder_path, check_writable, is_empty, marker_kind,
+                                       refuse_overlap, sibling, write_marker)
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data.dataset import check_data_path, collate, load_conversations
@@ -284,6 +284,7 @@ def plan_output_dir(cfg: RunConfig) -> OutputPlan:
     m, d = cfg.model, cfg.data
     refuse_overlap(out, [("model.target", m.target), ("model.init_from", m.init_from), ("data.train", d.train),
                          ("data.val", d.val), ("data.hidden_state_cache", d.hidden_state_cache)], "output_dir")
+    check_writable(out, "output_dir")
     if is_empty(out):
         return OutputPlan(None, False, None)
     kind, newest = marker_kind(out), newest_checkpoint(out)

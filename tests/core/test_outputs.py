@@ -169,3 +169,13 @@ def test_overwrite_with_a_bad_input_leaves_the_old_output(name, fresh_drafter_di
 
 def snapshot(folder: Path) -> dict:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["/proc/x", "/proc/x/y/z", "/sys/x"])
+def test_an_unwritable_output_is_one_line_before_any_work(where, tmp_path):
+    """Every command's --output goes through require_free_output: /proc and /sys take no new
+    folder (for root too), so the line comes before the work, not as a traceback after it."""
+    with pytest.raises(UserError, match=rf"--output '{where}' cannot be written: no folder can be made in '/(proc|sys)'"):
+        require_free_output(Path(where), False, "eval", [])
+    require_free_output(tmp_path / "x" / "y", False, "eval", [])  # writable: the probe leaves nothing behind
+    assert list(tmp_path.iterdir()) == []

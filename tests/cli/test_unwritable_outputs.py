@@ -1,0 +1,34 @@
+"""Unwritable outputs (issue 30): `--output /proc/x` (and a path under it) for dflash-prepare,
+dflash-cache, dflash-export and dflash-eval is one `error:` line and exit 2, before any input is
+loaded (the inputs named here do not exist: reaching them would say so), not a FileNotFoundError /
+PermissionError traceback after the work."""
+
+import pytest
+
+from conftest import ROOT, TINY_TARGET, error_line, run_main
+from dflash_train.cli import cache, eval as dflash_eval, export, prepare
+
+TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
+COMMANDS = {
+    "prepare": (prepare.main, ["--input", TINY_DATA, "--format", "messages", "--target", TINY_TARGET]),
+    "cache": (cache.main, ["--data", TINY_DATA, "--target", TINY_TARGET]),
+    "export": (export.main, ["--format", "speculators", "--checkpoint", "no-checkpoint", "--verifier", "no-verifier"]),
+    "eval": (dflash_eval.main, ["--drafter", "no-drafter", "--target", "no-target"]),
+}
+
+
+@pytest.mark.parametrize("where", ["/proc/x", "/proc/x/y"])
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_an_unwritable_output_is_one_line(command, where):
+    main, argv = COMMANDS[command]
+    code, _, stderr = run_main(main, [*argv, "--output", where])
+    line = error_line(stderr)
+    assert code == 2 and f"--output '{where}' cannot be written: no folder can be made in '/proc'" in line, line
+
+
+def test_an_unwritable_output_dir_is_one_line_for_training():
+    from dflash_train.cli.train import main as train_main
+
+    code, _, stderr = run_main(train_main, ["output_dir=/proc/x", f"data.train={TINY_DATA}", "max_steps=1"])
+    line = error_line(stderr)
+    assert code == 2 and "output_dir '/proc/x' cannot be written: no folder can be made in '/proc'" in line, line

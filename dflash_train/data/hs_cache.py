@@ -58,6 +58,7 @@ class CacheManifest(BaseModel):
     target_layer_ids: list[int]
     hidden_size: int = Field(ge=1)
     dtype: Literal["bfloat16", "float32", "fp8"]
+    target_dtype: str | None = None  # what the target computed in (bf16, fp32); None: not recorded (older caches)
     rows: int = Field(ge=0)
     tokens: int = Field(ge=0)
     bytes_per_token: int = Field(ge=1)
@@ -122,13 +123,17 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
     lengths = [len(ids) for ids in ds["input_ids"]]
     head = {"target": target.name_or_path, "target_pin": resolve_pin(target.name_or_path, target.revision),
             "target_layer_ids": list(layer_ids), "hidden_size": H, "dtype": dtype,
+            # part of the resume key: a cache is never resumed in another dtype (bf16 and fp32 states mixed)
+            "target_dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.model.dtype,
+                                                                                str(target.model.dtype)[6:]),
             "rows": len(ds), "tokens": sum(lengths), "bytes_per_token": bytes_per_token(len(layer_ids), H, dtype),
             "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows}
     old, found = None, None
     if (out / MANIFEST).exists() or (out / PARTIAL).exists():
         found = read_json((out / MANIFEST) if (out / MANIFEST).exists() else (out / PARTIAL), CacheManifest)
         found = found.model_dump(exclude_none=True)
-        same = {k: v for k, v in found.items() if k in head} == head
+        differ = [k for k in head if found.get(k) != head[k]]
+        same = not differ
         if same and (out / MANIFEST).exists() and not overwrite:
             try:
                 check_complete(out)
@@ -142,7 +147,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
                 return found
         if not same and not overwrite:
             raise UserError(f"'{out}' holds a {'complete' if (out / MANIFEST).exists() else 'partial'} cache for other "
-                            "settings (target, taps, dtype, shard rows or data): pass --overwrite to replace it")
+                            f"settings ({', '.join(differ)} differ): pass --overwrite to replace it")
         if overwrite:
             old = sibling(out, "old")
             os.replace(out, old)

@@ -175,3 +175,33 @@ def test_bad_flags_and_missing_data_are_found_before_the_target_is_loaded(flags,
                      *(flags if expected == message else [])])
         assert e.value.code == 2 and expected in error_line(capsys.readouterr().err)
     assert not (tmp_path / "o").exists()
+
+
+def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(small_data, tmp_path, monkeypatch, capsys):
+    """Issue 30: a build interrupted in fp32 (auto on a CPU) and resumed with --target-dtype bf16 mixed
+    bf16 and fp32 states; now it is refused, untouched, and the manifest records the dtype."""
+    out = tmp_path / "c"
+    cmd = ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET), "--output", str(out),
+           "--shard-rows", "8", "--dtype", "float32"]
+    real_save, calls = hs.save_file, []
+
+    def second_cut_off(tensors, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_save(tensors, path)
+
+    monkeypatch.setattr(hs, "save_file", second_cut_off)
+    with pytest.raises(SystemExit):
+        hs_cli.main(cmd)
+    monkeypatch.setattr(hs, "save_file", real_save)
+    assert json.loads((out / hs.PARTIAL).read_text())["target_dtype"] == "fp32"
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        hs_cli.main([*cmd, "--target-dtype", "bf16"])
+    line = error_line(capsys.readouterr().err)
+    assert e.value.code == 2 and "holds a partial cache for other settings (target_dtype differ)" in line, line
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    hs_cli.main([*cmd, "--target-dtype", "fp32"])
+    assert json.loads((out / hs.MANIFEST).read_text())["target_dtype"] == "fp32"

@@ -130,7 +130,8 @@ def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
 
 
 def sibling(out: Path, tag: str) -> Path:
-    """A hidden folder next to `out` (same file system, so a rename is atomic)."""
+    """A hidden folder next to `out` (same file system, so a rename is atomic). `out` may be `.`."""
+    out = Path(os.path.abspath(out))
     return out.with_name(f".{out.name}.{tag}-{os.getpid()}")
 
 
@@ -144,9 +145,25 @@ def match_umask(path: Path) -> None:
 
 
 def replace_folder(new: Path, out: Path) -> None:
-    """Swap `new` in at `out`. An old `out` is moved aside first and deleted after the swap."""
+    """Swap `new` in at `out`. An old `out` is moved aside first and deleted after the swap. An empty
+    `out`, or the current folder (`--output .`, which must not be renamed: the user's shell is in it),
+    is kept: its old entries are moved aside, then `new`'s moved in, marker first (a failure half-way
+    leaves an output of ours, which --overwrite replaces)."""
+    out, new = Path(out), Path(new)
     if not out.exists():
         os.replace(new, out)
+        return
+    if out.is_dir() and (not any(out.iterdir()) or os.path.samefile(out, os.getcwd())):
+        old = sibling(out, "old") if any(out.iterdir()) else None
+        if old is not None:
+            old.mkdir()
+            for entry in list(out.iterdir()):
+                os.replace(entry, old / entry.name)
+        for entry in sorted(new.iterdir(), key=lambda p: p.name != MARKER):
+            os.replace(entry, out / entry.name)
+        new.rmdir()
+        if old is not None:
+            shutil.rmtree(old)
         return
     old = sibling(out, "old")
     os.replace(out, old)

@@ -219,3 +219,14 @@ def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(tmp_path, caps
     prepare.main(argv(src, out, "--target-dtype", "fp32"))
     info = json.loads((out / "prepare_info.json").read_text())
     assert info["regeneration"]["target_dtype"] == "fp32" and info["regeneration"]["stats"]["resumed"] == 2
+
+
+def test_output_dot_in_an_empty_folder_is_written_there(tmp_path, monkeypatch):
+    """`--output .`: Path('.').with_name raised after the work was done (issue 30)."""
+    here = tmp_path / "here"
+    here.mkdir()
+    src = rows(tmp_path / "in.jsonl")
+    monkeypatch.chdir(here)
+    prepare.main(argv(src, ".") + ["--val-size", "1"])
+    assert json.loads((here / "prepare_info.json").read_text())["splits"] == {"train": 3, "val": 1}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "in.jsonl"]  # no work folder or sibling left

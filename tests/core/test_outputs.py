@@ -179,3 +179,21 @@ def test_an_unwritable_output_is_one_line_before_any_work(where, tmp_path):
         require_free_output(Path(where), False, "eval", [])
     require_free_output(tmp_path / "x" / "y", False, "eval", [])  # writable: the probe leaves nothing behind
     assert list(tmp_path.iterdir()) == []
+
+
+def test_output_dot_is_written_into_the_current_folder_and_replaced_in_place(tmp_path, monkeypatch):
+    """`--output .` (issue 30): Path('.').with_name raised after the work; and the current folder must
+    not be renamed away (the shell is in it). An empty one is filled, one of ours replaced in place."""
+    here = tmp_path / "here"
+    here.mkdir()
+    inode = here.stat().st_ino
+    monkeypatch.chdir(here)
+    require_free_output(Path("."), False, "eval", [])
+    write_atomically(Path("."), lambda d: (d / "a.txt").write_text("first"), "eval")
+    assert sorted(p.name for p in here.iterdir()) == [MARKER, "a.txt"] and marker_kind(here) == "eval"
+    with pytest.raises(UserError, match="pass --overwrite"):
+        require_free_output(Path("."), False, "eval", [])
+    require_free_output(Path("."), True, "eval", [])
+    write_atomically(Path("."), lambda d: (d / "b.txt").write_text("second"), "eval")
+    assert sorted(p.name for p in here.iterdir()) == [MARKER, "b.txt"] and (here / "b.txt").read_text() == "second"
+    assert here.stat().st_ino == inode and Path.cwd() == here and sorted(p.name for p in tmp_path.iterdir()) == ["here"]

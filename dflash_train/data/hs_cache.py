@@ -130,8 +130,13 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
             "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows}
     old, found = None, None
     if (out / MANIFEST).exists() or (out / PARTIAL).exists():
-        found = read_json((out / MANIFEST) if (out / MANIFEST).exists() else (out / PARTIAL), CacheManifest)
-        found = found.model_dump(exclude_none=True)
+        try:
+            found = read_json((out / MANIFEST) if (out / MANIFEST).exists() else (out / PARTIAL), CacheManifest)
+        except UserError as e:  # a damaged manifest in a cache of ours (require_free_output checked the marker)
+            if not overwrite:
+                raise UserError(f"{e} (pass --overwrite to replace this cache)") from None
+            found = None
+        found = found.model_dump(exclude_none=True) if found is not None else {}
         differ = [k for k in head if found.get(k) != head[k]]
         same = not differ
         if same and (out / MANIFEST).exists() and not overwrite:
@@ -157,7 +162,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
         shutil.rmtree(old)
     for stale in out.glob(".shard_*.tmp"):  # cut off by an interruption
         stale.unlink()
-    partial = found if old is None else None  # the shards an earlier build of these settings listed
+    partial = found if old is None and found else None  # the shards an earlier build of these settings listed
     done = {s["file"]: s for s in (partial or {}).get("shards", [])
             if (out / s["file"]).is_file() and file_sha256(out / s["file"]) == s["sha256"]}
     print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} bytes/token "

@@ -205,3 +205,23 @@ def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(small_data, tm
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     hs_cli.main([*cmd, "--target-dtype", "fp32"])
     assert json.loads((out / hs.MANIFEST).read_text())["target_dtype"] == "fp32"
+
+
+def test_a_damaged_cache_of_ours_is_replaced_with_overwrite(small_data, tmp_path, capsys):
+    """Issue 30: a cache we wrote (marker present) whose manifest is cut short could not be replaced
+    even with --overwrite; the user had to delete it by hand."""
+    out = tmp_path / "c"
+    cmd = ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET), "--output", str(out),
+           "--shard-rows", "8", "--dtype", "float32"]
+    hs_cli.main(cmd)
+    whole = (out / hs.MANIFEST).read_text()
+    (out / hs.MANIFEST).write_text(whole[:50])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        hs_cli.main(cmd)
+    line = error_line(capsys.readouterr().err)
+    assert e.value.code == 2 and "is not valid JSON" in line and "pass --overwrite to replace this cache" in line
+    assert (out / hs.MANIFEST).read_text() == whole[:50]
+    hs_cli.main([*cmd, "--overwrite"])
+    assert json.loads((out / hs.MANIFEST).read_text()) == json.loads(whole)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]

@@ -38,11 +38,28 @@ def is_hub_id(value: str) -> bool:
     return "/" not in value or not any((base / owner).is_dir() for base in (Path.cwd(), ROOT))
 
 
+TARGET_FLAGS = ("target", "model.target", "verifier")  # a target LLM folder, never one of our outputs
+
+
+def _refuse_non_target(folder: Path, value: str, what: str) -> None:
+    """A drafter, run, dataset or cache folder given as the target: say what it is, before the
+    loader's own error (cut mid-sentence: "Couldn't instantiate the backend tokenizer from one of:")."""
+    from dflash_train.core.outputs import KINDS, marker_kind  # outputs imports this module
+
+    kind = marker_kind(folder)
+    if kind in KINDS:  # our outputs; a model make real-target converted (kind "real-target") is a target
+        raise UserError(f"{what} '{value}' holds {KINDS[kind]} written by dflash-train, not a target model")
+    if not any((folder / name).is_file() for name in ("config.json", "tokenizer_config.json", "tokenizer.json")):
+        raise UserError(f"{what} '{value}' is not a model folder: it has no config.json and no tokenizer")
+
+
 def model_source(value: str, what: str) -> str:
     """A model or drafter given as a folder or a Hub id -> the folder's absolute path or the id.
     A path that is not there is 'not found', never a Hub error."""
     resolved = resolve_input(value)
     if Path(resolved).is_dir():
+        if what in TARGET_FLAGS:
+            _refuse_non_target(Path(resolved), value, what)
         return resolved
     if Path(resolved).exists():
         raise UserError(f"{what} '{value}' is a file, not a model folder")

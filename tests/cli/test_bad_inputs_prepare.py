@@ -230,3 +230,10 @@ def test_output_dot_in_an_empty_folder_is_written_there(tmp_path, monkeypatch):
     prepare.main(argv(src, ".") + ["--val-size", "1"])
     assert json.loads((here / "prepare_info.json").read_text())["splits"] == {"train": 3, "val": 1}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "in.jsonl"]  # no work folder or sibling left
+
+
+def test_a_data_folder_as_target_is_named_in_one_line(tmp_path, capsys):
+    line = refused(capsys, ["--input", str(rows(tmp_path / "in.jsonl")), "--format", "messages", "--target",
+                            str(ROOT / "data" / "tiny"), "--output", str(tmp_path / "out")])
+    assert "is not a model folder: it has no config.json and no tokenizer" in line
+    assert not (tmp_path / "out").exists()

@@ -91,6 +91,7 @@ def test_inputs_resolve_from_the_checkout_and_typos_are_not_found(tmp_path, monk
     assert resolve_input("data/tiny-target") == str(ROOT / "data" / "tiny-target")  # bundled, from any folder
     assert model_source("data/tiny-target", "target") == str(ROOT / "data" / "tiny-target")
     (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
     assert model_source("mine/", "target") == str(tmp_path / "mine")  # the current folder comes first
     assert model_source("Qwen/Qwen3-8B", "target") == "Qwen/Qwen3-8B"  # a Hub id stays an id
     for typo in ["data/tiny-targt", "/nope", "./runs/x/final", "runs/x/final", "mine/sub"]:
@@ -175,7 +176,7 @@ def snapshot(folder: Path) -> dict:
 def test_an_unwritable_output_is_one_line_before_any_work(where, tmp_path):
     """Every command's --output goes through require_free_output: /proc and /sys take no new
     folder (for root too), so the line comes before the work, not as a traceback after it."""
-    with pytest.raises(UserError, match=rf"--output '{where}' cannot be written: no folder can be made in '/(proc|sys)'"):
+    with pytest.raises(UserError, match=rf"--output '{where}' cannot be written: no folder can be made in '/"):
         require_free_output(Path(where), False, "eval", [])
     require_free_output(tmp_path / "x" / "y", False, "eval", [])  # writable: the probe leaves nothing behind
     assert list(tmp_path.iterdir()) == []
@@ -197,3 +198,23 @@ def test_output_dot_is_written_into_the_current_folder_and_replaced_in_place(tmp
     write_atomically(Path("."), lambda d: (d / "b.txt").write_text("second"), "eval")
     assert sorted(p.name for p in here.iterdir()) == [MARKER, "b.txt"] and (here / "b.txt").read_text() == "second"
     assert here.stat().st_ino == inode and Path.cwd() == here and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+
+
+def test_a_folder_that_is_no_target_model_is_named_as_such(tmp_path):
+    """Issue 30: a data folder or one of our drafters given as the target ended in the tokenizer
+    loader's line, cut mid-sentence ("Couldn't instantiate the backend tokenizer from one of: ")."""
+    data = ROOT / "data" / "tiny"
+    for what in ("target", "model.target", "verifier"):
+        with pytest.raises(UserError, match=rf"{what} '{data}' is not a model folder: it has no config.json and no"):
+            model_source(str(data), what)
+    drafter = made(tmp_path, "drafter")
+    (drafter / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="holds a drafter written by dflash-train, not a target model"):
+        model_source(str(drafter), "target")
+    assert model_source(str(drafter), "model.init_from") == str(drafter)  # a drafter is what init_from takes
+    converted = tmp_path / "real"
+    converted.mkdir()
+    (converted / "config.json").write_text("{}")
+    (converted / MARKER).write_text('{"tool": "dflash-train", "kind": "real-target"}')
+    assert model_source(str(converted), "target") == str(converted)  # make real-target's model is a target
+    assert model_source(str(TINY_TARGET), "target") == str(TINY_TARGET)

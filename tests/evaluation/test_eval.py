@@ -231,7 +231,7 @@ def test_cheap_inputs_are_checked_before_any_loading(tmp_path, trained_drafter_d
         (["--device", "mps"], "--device 'mps' is not supported"),
         (["--limit", "0"], "--limit must be >= 1"),
         (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
-        (["--repeats", "0"], "--repeats must be >= 1"),
+        (["--repeats", "0"], "--repeats must be in 1..100"),
         (["--concurrency", "0,4"], "--concurrency must be integers >= 1"),
         (["--concurrency", "4,x"], "--concurrency must be comma-separated integers"),
         (["--budgets=-1,4"], "--budgets must be non-negative"),

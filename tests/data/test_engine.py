@@ -19,14 +19,6 @@ QUESTIONS = ["What is 23 + 59?", "Hi", "Write a function that reverses a list, t
              "Name a colour.", "def add(a, b):"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def prompts_and_stops(target):
     tok = target.tokenizer
     prompts = [regen._prompt_ids(tok, [{"role": "user", "content": q}], False) for q in QUESTIONS]

@@ -4,7 +4,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.core.errors import UserError

@@ -174,6 +174,12 @@ def main(argv=None):
                                                       ("--verify-times", args.verify_times)])
     device_costs = read_device_costs(args.verify_times)
     suites = [load_suite(s, args.limit) for s in (args.suite or [DEFAULT_SUITE])]  # before the target: cheap
+    names = [name for name, _ in suites]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None:  # one heading and one report.json name would merge them
+        specs = [s for s, (n, _) in zip(args.suite, suites) if n == twice]
+        raise UserError(f"--suite: {' and '.join(specs)} are both named '{twice}' (a suite file is named by its "
+                        "stem): give each suite once, under its own file name")
 
     drafter, meta = load_drafter(args.drafter)
     fingerprint = drafter_fingerprint(drafter)  # of the drafter as stored, before any cast or move

@@ -224,7 +224,13 @@ def test_cheap_inputs_are_checked_before_any_loading(tmp_path, trained_drafter_d
     nope = ["--drafter", str(tmp_path / "no-drafter"), "--target", str(tmp_path / "no-target")]
     bad_costs = tmp_path / "costs.json"
     bad_costs.write_text(json.dumps({"verify_ms_by_width": {"1": "fast"}, "draft_ms": 1.0}))
+    for folder in ("a", "b"):  # two suite files with one stem
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "x.jsonl").write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n')
+    same_stem = [str(tmp_path / "a" / "x.jsonl"), str(tmp_path / "b" / "x.jsonl")]
     cases = [
+        (["--suite", same_stem[0], "--suite", same_stem[1]], "are both named 'x'"),
+        (["--suite", same_stem[0], "--suite", same_stem[0]], "are both named 'x'"),
         (["--temperature", "nan"], "--temperature must be a finite number"),
         (["--temperature=-1"], "--temperature must be a finite number"),
         (["--device", "bogus"], "--device 'bogus' is not a device"),

@@ -23,6 +23,7 @@ import json
 import os
 import random
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -31,6 +32,7 @@ from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import file_sha256
 from dflash_train.core.paths import ROOT
 from dflash_train.data import regenerate as regen
+from dflash_train.data.chat import template_sha256
 from dflash_train.data.engine import static_generate
 from dflash_train.data.real_target import DEFAULT_DEST, GGUF, MODEL_DIR, WHEELS
 from dflash_train.model.target import hash_files, load_target
@@ -136,9 +138,8 @@ def main(argv=None):
     prompts = select_prompts(sharegpt, tok, args.conversations, args.max_prompt_tokens, seed=0)
     s = regen.Sampling("static", 0.0, 1.0, args.max_new_tokens, 0, args.chunk, False, True)
     stops = regen.stop_token_ids(tok, "<|im_end|>", target.model.generation_config.eos_token_id)
-    record = {k: v for k, v in vars(s).items()} | {
-        "target": MODEL_DIR, "dtype": "float32", "template_sha256": regen.hashlib.sha256(
-            tok.chat_template.encode()).hexdigest(), "stop_token_ids": stops,
+    record = asdict(s) | {
+        "target": MODEL_DIR, "dtype": "float32", "template_sha256": template_sha256(tok), "stop_token_ids": stops,
         "max_prompt_tokens": args.max_prompt_tokens, "prompt_seed": 0}
     engine_generate = static_generate(target, stops, s, args.slots, args.max_prompt_tokens + args.max_new_tokens + 1)
     weights = sorted(target_dir.glob("*.safetensors"))

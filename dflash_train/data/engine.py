@@ -147,15 +147,15 @@ def generate_all(engine: StaticEngine, prompts: list[list[int]], stop_ids: list[
     """Answer every prompt, `engine.slots` at a time; a finished slot takes the next prompt at once."""
     stop = set(stop_ids)
     out: list[Generation | None] = [None] * len(prompts)
-    gens = [None] * len(prompts)
+    rngs: list[torch.Generator | None] = [None] * len(prompts)  # one per prompt, when sampling
     free = list(range(engine.slots))[::-1]
     busy: dict[int, tuple[int, list[int], int]] = {}  # slot -> (prompt index, tokens so far, next position)
     todo = iter(range(len(prompts)))
 
     def take(i, logits, slot, P):
         if temperature > 0:
-            gens[i] = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        t = pick(logits, temperature, top_p, gens[i])
+            rngs[i] = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        t = pick(logits, temperature, top_p, rngs[i])
         finish(slot, i, [t], P)
 
     def finish(slot, i, toks, pos):
@@ -189,7 +189,7 @@ def generate_all(engine: StaticEngine, prompts: list[list[int]], stop_ids: list[
             nxt = logits.argmax(-1).tolist()
         for slot in sorted(busy):
             i, toks, p = busy.pop(slot)
-            toks.append(nxt[slot] if temperature == 0 else pick(logits[slot], temperature, top_p, gens[i]))
+            toks.append(nxt[slot] if temperature == 0 else pick(logits[slot], temperature, top_p, rngs[i]))
             finish(slot, i, toks, p + 1)
     return out
 

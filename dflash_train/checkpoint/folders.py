@@ -26,6 +26,7 @@ from dflash_train.core.paths import model_source
 from dflash_train.core.schema import read_json, validated
 from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.model.target import Target, first_line
+from dflash_train.model.vocab import draft_vocab_from_tensors
 
 FORMAT = "dflash-train"
 # Tensors a Speculators checkpoint may carry that belong to the verifier, not the drafter.
@@ -128,8 +129,9 @@ def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
     drafter = DFlashDrafter(cfg)
     state = read_weights(folder)
     expected = drafter.state_dict()
-    # Speculators may also save verifier-owned tensors (embeddings, LM head): not ours to load.
-    state = {k: v for k, v in state.items() if k not in SPECULATORS_VERIFIER_KEYS}
+    # Speculators may also save verifier-owned tensors (embeddings, LM head): not ours to load,
+    # unless the drafter has a draft vocabulary, whose lm_head / d2t / t2d are its own.
+    state = {k: v for k, v in state.items() if k not in SPECULATORS_VERIFIER_KEYS or k in expected}
     missing, extra = expected.keys() - state.keys(), state.keys() - expected.keys()
     if missing or extra:
         raise UserError(f"'{path}' weights do not match its config: missing {sorted(missing)[:3]}, "
@@ -137,7 +139,9 @@ def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
     for k, v in state.items():
         if v.shape != expected[k].shape:
             raise UserError(f"'{path}' weight {k} has shape {tuple(v.shape)}, config says {tuple(expected[k].shape)}")
-    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    if cfg.draft_vocab_size is not None:  # a d2t / t2d pair that disagrees would serve wrong tokens
+        draft_vocab_from_tensors(state["d2t"], state["t2d"], f"'{path}'")
+    drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return drafter, meta
 
 
@@ -154,7 +158,8 @@ def drafter_fingerprint(drafter: torch.nn.Module) -> str:
 
 
 def count_parameters(drafter: torch.nn.Module) -> int:
-    return sum(p.numel() for p in drafter.parameters())
+    """Trainable parameters (a draft vocabulary's frozen head is the target's rows, not counted)."""
+    return sum(p.numel() for p in drafter.parameters() if p.requires_grad)
 
 
 # --- training checkpoints: everything an exact resume needs --------------------------------------

@@ -54,6 +54,17 @@ def check_sizes(vocab: int, mask_id: int, taps: list[int], layers: int | None, t
         raise ValueError(f"selector_top_k {top_k} exceeds the vocabulary ({vocab}): at most {vocab}")
 
 
+def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
+    """A draft vocabulary is 2..V tokens, and only plain DFlash drafts in one (DSpark's Markov bias and
+    DFlash2's selector are [V, r] tables over the full vocabulary)."""
+    if size is None:
+        return
+    if not 2 <= size < vocab:  # N = V is written as no draft vocabulary (null)
+        raise ValueError(f"draft_vocab_size {size} must be in 2..{vocab - 1} (below the verifier's vocabulary)")
+    if variant != "dflash":
+        raise ValueError(f"a {variant} drafter drafts over the full vocabulary: draft_vocab_size {size} < {vocab}")
+
+
 class DrafterFields(Strict):
     """Ours: config.json's `drafter`, DrafterConfig field for field (model/drafter.py says what each means)."""
     hidden_size: Size
@@ -81,9 +92,11 @@ class DrafterFields(Strict):
     conv_group_size: Index = 0
     selector_rank: Index = 0
     selector_top_k: Index = 0
+    draft_vocab_size: Annotated[int, Field(ge=2)] | None = None
 
     @model_validator(mode="after")
     def _fits(self):
+        check_draft_vocab(self.draft_vocab_size, self.vocab_size, self.variant)
         if self.variant == "dflash2":
             for k in DFLASH2_DEFAULTS:
                 if getattr(self, k) < 1:
@@ -215,7 +228,7 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
                                 target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
                                 num_target_layers=extra.get("num_target_layers"),
                                 block_attention=_block_attention(tl.get("is_causal")), **_speculators_dspark(config),
-                                **_speculators_dflash2(config))
+                                **_speculators_dflash2(config), draft_vocab_size=_speculators_draft_vocab(config))
             verifier = config.get("speculators_config", {}).get("verifier", {})
             return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
                                                    "revision": (config.get("verifier_pin") or {}).get("revision")},
@@ -257,6 +270,19 @@ def _speculators_dspark(config: dict) -> dict:
         raise UserError("DSpark config has confidence_head_with_markov true but markov_rank 0")
     return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type, "confidence_head": confidence,
             "confidence_head_with_markov": with_markov}
+
+
+def _speculators_draft_vocab(config: dict) -> int | None:
+    """A Speculators config's draft vocabulary: None when it is the verifier's whole vocabulary."""
+    vocab, size = config["transformer_layer_config"]["vocab_size"], config.get("draft_vocab_size")
+    if size is None or size == vocab:
+        return None
+    if size > vocab:
+        raise UserError(f"Speculators config has draft_vocab_size {size} above the verifier's vocabulary ({vocab})")
+    if config.get("speculators_model_type") == "dspark":
+        raise UserError(f"DSpark config has draft_vocab_size {size} < {vocab}: dflash-train's DSpark drafts over the "
+                        "full vocabulary")
+    return size
 
 
 # speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
@@ -301,7 +327,9 @@ def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures
     return config_class(
         **extra,
         transformer_layer_config=layer_config,
-        draft_vocab_size=cfg.vocab_size,  # full vocabulary: no lm_head / d2t / t2d are saved
+        # full vocabulary: no lm_head / d2t / t2d are saved; a draft vocabulary's are (vLLM reads
+        # d2t as draft_id_to_target_id and would fall back to the verifier's full head without lm_head)
+        draft_vocab_size=cfg.draft_vocab_size or cfg.vocab_size,
         block_size=cfg.block_size,
         target_hidden_size=cfg.hidden_size,
         aux_hidden_state_layer_ids=[k + 1 for k in cfg.target_layer_ids],

@@ -56,6 +56,10 @@ def parse_args(argv):
     p.add_argument("--dry-run", action="store_true", help="with --push-to-hub: list what would be uploaded")
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--card-notes", default=None, metavar="FILE",
+                   help="a markdown file added to the card as its Notes section (provenance, training history)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="floating-point weights as (bf16 halves the files; d2t / t2d keep their integer types)")
     args = p.parse_args(argv)
     if args.format not in (SPECULATORS, NATIVE):
         p.error(f"unknown --format '{args.format}' (choose speculators or dflash)")
@@ -72,14 +76,24 @@ def parse_args(argv):
     return args
 
 
+def read_notes(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--card-notes '{path}' is not a readable text file ({type(e).__name__})") from None
+
+
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
     out = Path(args.output)
-    inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier),
+    inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier), ("--card-notes", args.card_notes),
               *[("--eval-report", r) for r in args.eval_report]]
     require_free_output(out, args.overwrite, "export", inputs)
     reports = read_reports(args.eval_report)
+    notes = read_notes(args.card_notes)
     drafter, meta = load_drafter(args.checkpoint)
     cfg = drafter.config
     if cfg.variant == "dspark" and args.format == NATIVE:
@@ -88,6 +102,10 @@ def main(argv=None):
     if cfg.variant == "dflash2" and args.format == NATIVE:
         raise UserError("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
                         "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
+    if cfg.draft_vocab_size is not None and args.format == NATIVE:
+        raise UserError(f"the native DFlash format has no draft vocabulary (this drafter drafts over "
+                        f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens through its own lm_head / d2t): export "
+                        "it with --format speculators")
     verifier = args.verifier or (meta.get("target") or {}).get("name_or_path")
     if not verifier:
         raise UserError("the checkpoint does not name its verifier: pass --verifier")
@@ -103,10 +121,10 @@ def main(argv=None):
     recipe_file = folder / "recipe.yaml"
     recipe_text = recipe_file.read_text() if recipe_file.is_file() else None
     card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
-                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder))
+                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder), notes)
 
     write_atomically(out, lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
-                                                   recipe_text, reports), "export")
+                                                   recipe_text, reports, args.dtype), "export")
     print(f"exported {args.format} drafter to {out} (verifier {verifier}, {pin_text(pin)})")
     if args.push_to_hub:
         push(out, args.push_to_hub, args.private, args.dry_run)

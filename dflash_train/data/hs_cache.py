@@ -4,9 +4,11 @@
     accelerate launch dflash_train/train.py data.hidden_state_cache=data/cache/tiny
 
 Per conversation (row) it stores the taps [T, n*H] (decoder-layer outputs, the same
-`target_forward` training runs online) and the target's final-normed last hidden state
-[T, H], from which training applies the frozen LM head for labels and KL. Rows go into
-sharded safetensors (`shard_00000.safetensors`, keys `taps.<row>`, `last.<row>`) with a
+`target_forward` training runs online), the target's final-normed last hidden state
+[T, H], from which training applies the frozen LM head for KL-type terms and alpha, and the
+target's greedy token after each position (int32 [T], from the fp32 states before rounding),
+which a draft-vocabulary step uses instead of the full LM head. Rows go into
+sharded safetensors (`shard_00000.safetensors`, keys `taps.<row>`, `last.<row>`, `labels.<row>`) with a
 manifest naming the target and its pin, the tap layers, dtype, token counts, the dataset's
 hash and each shard's SHA-256. Shards are written atomically, so an interrupted build
 resumes from the last complete shard. bf16 by default; fp8 (e4m3, one scale per token and
@@ -66,6 +68,8 @@ class CacheManifest(BaseModel):
     shard_rows: int = Field(ge=1)
     shards: list[CacheShard]
     bytes_on_disk: int | None = Field(None, ge=0)
+    # labels.<row>: the target's greedy token after each position (int32 [T]); False in older caches
+    labels: bool = False
 
     @model_validator(mode="after")
     def _shards_tile_the_rows(self):
@@ -88,9 +92,9 @@ def dataset_hash(ds) -> str:
 
 
 def bytes_per_token(n_taps: int, hidden: int, dtype: str) -> int:
-    """taps + last hidden per token; fp8 adds one float32 scale per tensor per token."""
+    """taps + last hidden + an int32 label per token; fp8 adds one float32 scale per tensor per token."""
     values = (n_taps + 1) * hidden * (1 if dtype == "fp8" else torch.finfo(DTYPES[dtype]).bits // 8)
-    return values + (2 * 4 if dtype == "fp8" else 0)
+    return values + (2 * 4 if dtype == "fp8" else 0) + 4
 
 
 def _encode(x: torch.Tensor, dtype: str) -> dict[str, torch.Tensor]:
@@ -127,7 +131,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
             "target_dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.model.dtype,
                                                                                 str(target.model.dtype)[6:]),
             "rows": len(ds), "tokens": sum(lengths), "bytes_per_token": bytes_per_token(len(layer_ids), H, dtype),
-            "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows}
+            "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows, "labels": True}
     old, found = None, None
     if (out / MANIFEST).exists() or (out / PARTIAL).exists():
         try:
@@ -193,6 +197,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
                 for key, x in [("taps", taps[i, : lengths[r]]), ("last", last[i, : lengths[r]])]:
                     for suffix, t in _encode(x.cpu(), dtype).items():
                         tensors[f"{key}.{r}{suffix}"] = t
+                tensors[f"labels.{r}"] = greedy_labels(target, last[i, : lengths[r]])
         tmp = out / f".{name}.tmp"
         save_file(tensors, tmp)
         match_umask(tmp)  # safetensors writes 0600
@@ -204,6 +209,13 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
     _write_json(out / MANIFEST, manifest)
     (out / PARTIAL).unlink(missing_ok=True)
     return manifest
+
+
+def greedy_labels(target: Target, last: torch.Tensor, rows: int = 512) -> torch.Tensor:
+    """last [T, H] (the target's final-normed states, before any cache rounding) -> its greedy token
+    after each position, int32 [T]: a draft-vocabulary step reads these instead of the full LM head."""
+    return torch.cat([target.lm_head(last[i : i + rows]).argmax(-1) for i in range(0, len(last), rows)]).to(
+        "cpu", torch.int32)
 
 
 def shards_done(out: Path) -> int:
@@ -234,6 +246,16 @@ class HiddenStateCache:
         last = [_decode(self._shard(r), f"last.{r}", self.dtype) for r in rows]
         pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[0])) for x in xs])  # noqa: E731
         return pad(taps).to(device, dtype), pad(last).to(device, dtype)
+
+    def labels(self, rows: list[int], T: int, device) -> torch.Tensor | None:
+        """-> the target's greedy labels [b, T] long (-1 past each row's end), None in a cache without them."""
+        if not self.manifest.get("labels"):
+            return None
+        out = torch.full((len(rows), T), -1, dtype=torch.long)
+        for i, r in enumerate(rows):
+            x = self._shard(r).get_tensor(f"labels.{r}")
+            out[i, : len(x)] = x.long()
+        return out.to(device)
 
 
 def check_complete(path: Path) -> dict:
@@ -269,7 +291,8 @@ def check_complete(path: Path) -> dict:
         except (SafetensorError, OSError) as e:
             raise UserError(f"hidden-state cache '{path}': {shard.file} is not a readable safetensors file "
                             f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): {rebuild}") from None
-        if not all(f"taps.{r}" in keys and f"last.{r}" in keys for r in range(lo, hi)):
+        names = ("taps", "last", "labels") if m.labels else ("taps", "last")
+        if not all(f"{name}.{r}" in keys for r in range(lo, hi) for name in names):
             raise UserError(f"hidden-state cache '{path}': {shard.file} does not hold rows {lo}..{hi - 1}: {rebuild}")
     if sum(sizes) <= HASH_LIMIT:
         for shard in m.shards:

@@ -132,7 +132,8 @@ def root_only_tree() -> DraftTree:
 
 def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None) -> DraftTree:
     """draft_logits [L, V] (any float dtype and device; row d-1 is depth d) -> the best
-    DDTree of `budget` non-root nodes (fewer if there are fewer than `budget` prefixes).
+    DDTree of `budget` non-root nodes (fewer if there are fewer than `budget` prefixes; a token
+    whose logit is -inf, outside a draft vocabulary, is never a node).
 
     scorer None: DDTree from the per-depth marginals (a node's children are the top-K of its
     depth's distribution, whoever the parent is). A conditional scorer (dspark.MarkovScorer,
@@ -144,7 +145,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None) -> DraftTre
     if budget <= 0:
         return root_only_tree()
     L, V = draft_logits.shape
-    K = min(budget, V)
+    # a draft vocabulary's logits are -inf outside it: those tokens are never tree nodes
+    K = min(budget, V, max(1, int(torch.isfinite(draft_logits).sum(-1).min())))
     if scorer is None:
         logp, ids = top_k_log_probs(draft_logits, K)  # [L, K], [L, K]
         # One device-to-host copy: ids ride along as float64 (exact below 2**53) and only

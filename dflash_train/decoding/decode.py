@@ -105,8 +105,8 @@ def tree_scorer(drafter: DFlashDrafter, hidden: torch.Tensor, bonus: int, tree_s
 
 
 def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
-    """The backbone's block logits [B-1, V] (slots 1..B-1)."""
-    return target.lm_head(draft_hidden(drafter, target, ctx, bonus, start)[1:])
+    """The backbone's block logits [B-1, V] (slots 1..B-1; -inf outside a draft vocabulary)."""
+    return drafter.full_logits(draft_hidden(drafter, target, ctx, bonus, start)[1:], target.lm_head)
 
 
 def verify(target: Target, cache: DynamicCache, tree: DraftTree, bonus: int, start: int, want_taps: bool):
@@ -172,7 +172,8 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
             tree = root_only_tree()
         else:
             hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
-            base_logits = target.lm_head(hidden[1:])  # [B-1, V], the backbone's (DFlash2: the unary logits)
+            # [B-1, V], the backbone's (DFlash2: the unary logits); -inf outside a draft vocabulary
+            base_logits = drafter.full_logits(hidden[1:], target.lm_head)
             if method == "dflash" and dspark:  # the Markov chain: each slot biased by the token drafted before it
                 chain, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
             elif method == "dflash" and drafter.candidate_selector is not None:  # DFlash2: the selector walk

@@ -47,7 +47,7 @@ def draft_batch(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus
     block[:, 0] = bonus
     positions = torch.arange(start, start + B, device=device).expand(bonus.shape[0], B)
     hidden = drafter.forward_cached(target.embed(block), positions, ctx)  # [c, B, H]
-    return target.lm_head(hidden[:, 1:])
+    return drafter.full_logits(hidden[:, 1:], target.lm_head)
 
 
 def widths_for(widest: int) -> tuple[list[int], list[int]]:

@@ -156,7 +156,7 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
 
 def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
                reports: list[dict], source_format: str, serve_ref: str, license_id: str,
-               choice: dict | None = None) -> ModelCard:
+               choice: dict | None = None, notes: str | None = None) -> ModelCard:
     hub_verifier = pin["name_or_path"] if HUB_ID.match(pin["name_or_path"] or "") and not Path(
         pin["name_or_path"]).exists() else None
     datasets = []
@@ -213,4 +213,12 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         taps=cfg.target_layer_ids, aux_ids=[k + 1 for k in cfg.target_layer_ids], mask_token=f"`{mask_token}`",
         mask_token_id=cfg.mask_token_id, params=f"{params:,}", training=training_section(recipe_text, source_format, choice),
         acceptance=acceptance_section(reports), validated_on=validated_on_section(reports),
-        vllm_command=vllm, budget_text=budget_section(reports), extra_limitations=extra)
+        vllm_command=vllm, budget_text=budget_section(reports), extra_limitations=extra,
+        draft_vocab=draft_vocab_text(cfg), notes=(notes or "").strip())
+
+
+def draft_vocab_text(cfg) -> str:
+    if cfg.draft_vocab_size is None:
+        return f"the verifier's whole vocabulary ({cfg.vocab_size:,} tokens)"
+    return (f"{cfg.draft_vocab_size:,} of the verifier's {cfg.vocab_size:,} tokens: `lm_head.weight` holds the "
+            "verifier's rows of them (frozen), `d2t` / `t2d` map them (`draft_vocab_size` in config.json)")

@@ -4,6 +4,7 @@ folder (config.json in the chosen format, weights, card, recipe, reports), and t
 import json
 from pathlib import Path
 
+import torch
 from huggingface_hub import HfApi
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
@@ -76,10 +77,14 @@ def check_reports(reports: list[dict], drafter, verifier: str, revision: str | N
 
 # --- writing -----------------------------------------------------------------------------------
 
-def write_export(tmp: Path, fmt: str, drafter, cfg, pin, vconfig, mask_token, card, recipe_text, reports) -> None:
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()}
+def write_export(tmp: Path, fmt: str, drafter, cfg, pin, vconfig, mask_token, card, recipe_text, reports,
+                 dtype: str = "fp32") -> None:
+    cast = torch.bfloat16 if dtype == "bf16" else torch.float32
+    state = {k: (v.to(cast) if v.is_floating_point() else v).detach().cpu().contiguous()
+             for k, v in drafter.state_dict().items()}
     if fmt == SPECULATORS:
-        # Same names as speculators saves DFlash: no embed_tokens, lm_head or verifier_* tensors.
+        # Same names as speculators saves DFlash: no embed_tokens or verifier_* tensors, and lm_head /
+        # d2t / t2d only for a draft vocabulary (its own frozen head).
         speculators_config(cfg, pin["name_or_path"], list(vconfig.architectures or []), pin,
                            mask_token).save_pretrained(str(tmp))
     else:

@@ -22,7 +22,11 @@ dflash_train/model/variants/dflash2.py.
 
 The target's embeddings and LM head are shared and frozen; they are NOT part of this
 module (its state_dict is exactly the trainable weights, named as Speculators names
-DFlash weights), so the caller embeds the block and applies the LM head.
+DFlash weights), so the caller embeds the block and applies the LM head. With a draft
+vocabulary (`draft_vocab_size`) the drafter carries its own frozen `lm_head` [N, H] (the
+target's rows of the N kept tokens) and the d2t / t2d buffers, under speculators' names:
+`logits_head` picks the head, `full_logits` scatters draft logits into the target's
+vocabulary (-inf elsewhere, as vLLM does), so decoding never proposes a token outside it.
 """
 
 import functools
@@ -43,6 +47,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash_train.model.variants import dflash2
+from dflash_train.model.vocab import DraftVocab
 from dflash_train.model.variants.dspark import dspark_heads
 
 
@@ -80,6 +85,10 @@ class DrafterConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    # A draft vocabulary (model/vocab.py): the drafter predicts over N < vocab_size of the target's
+    # tokens through its own frozen `lm_head` [N, H] (the target's rows) and maps draft index i to
+    # target id i + d2t[i]. None: the full vocabulary through the target's own head.
+    draft_vocab_size: int | None = None
 
     def qwen3_config(self) -> Qwen3Config:
         """The Qwen3 config the drafter's layers are built from (Speculators' transformer_layer_config)."""
@@ -292,6 +301,53 @@ class DFlashDrafter(nn.Module):
                     conv_.reset_parameters()
         # DFlash2's candidate selector (None otherwise), applied by the caller after the LM head
         self.candidate_selector = dflash2.candidate_selector(config)
+        self.lm_head = None  # the draft vocabulary's frozen head (set_draft_vocab fills it and d2t / t2d)
+        if config.draft_vocab_size is not None:
+            n = config.draft_vocab_size
+            self.lm_head = nn.Linear(c.hidden_size, n, bias=False).requires_grad_(False)
+            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))  # int64 [N] offsets: target id = i + d2t[i]
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # bool [V]
+
+    def set_draft_vocab(self, vocab: DraftVocab, target_head: torch.Tensor) -> None:
+        """Fill the frozen head with the target's rows of the kept tokens (target_head [V, H]) and
+        d2t / t2d with the vocabulary."""
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_head[vocab.kept.to(target_head.device)])
+            self.d2t.copy_(vocab.d2t)
+            self.t2d.copy_(vocab.t2d)
+
+    @property
+    def draft_vocab(self) -> DraftVocab | None:
+        if self.lm_head is None:
+            return None
+        return DraftVocab(self.d2t.cpu() + torch.arange(len(self.d2t)), self.config.vocab_size)
+
+    def logits_head(self, target_head: nn.Module) -> nn.Module:
+        """The head the drafter's logits come from: its draft-vocabulary head, else the target's."""
+        return target_head if self.lm_head is None else self.lm_head
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft indices -> target token ids (the identity over the full vocabulary)."""
+        return draft_ids if self.lm_head is None else draft_ids + self.d2t[draft_ids]
+
+    def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> draft indices, -1 for ids outside the draft vocabulary (and for -1)."""
+        if self.lm_head is None:
+            return target_ids
+        index = torch.full((self.config.vocab_size + 1,), -1, dtype=torch.long, device=target_ids.device)
+        index[(self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)).to(target_ids.device)] = \
+            torch.arange(len(self.d2t), device=target_ids.device)
+        return index[target_ids.long().clamp(min=-1)]  # -1 reads the extra last row: -1
+
+    def full_logits(self, hidden: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
+        """hidden [.., H] -> logits over the target's vocabulary [.., V]: the target head's, or the
+        draft head's scattered into -inf (a token outside the draft vocabulary is never drafted)."""
+        logits = self.logits_head(target_head)(hidden)
+        if self.lm_head is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        full[..., self.t2d] = logits  # t2d marks the kept ids, ascending: draft index order
+        return full
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

@@ -54,9 +54,14 @@ NLA_EPS = 1e-5  # alpha floor inside -log alpha (speculators' value)
 def slot_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor, names,
                lk_eta: float = 3.0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """draft_logits, target_logits [..., V]; labels [...] long -> ({name: [...]}, alpha [...]).
-    Computed in float32 (float64 for float64 inputs); alpha keeps its graph (tv, nla use it)."""
+    Computed in float32 (float64 for float64 inputs); alpha keeps its graph (tv, nla use it).
+    target_logits None: ce only, alpha 0 (a step with the target's labels given and nothing else)."""
     dtype = torch.promote_types(draft_logits.dtype, torch.float32)
     logq = F.log_softmax(draft_logits.to(dtype), dim=-1)
+    if target_logits is None:  # labels only (ce): no p, no alpha (reported as 0)
+        if set(names) - {"ce"}:
+            raise ValueError(f"terms {sorted(set(names) - {'ce'})} need the target's logits")
+        return {"ce": -logq.gather(-1, labels.unsqueeze(-1)).squeeze(-1)}, logq.new_zeros(logq.shape[:-1])
     logp = F.log_softmax(target_logits.to(dtype), dim=-1)
     q, p = logq.exp(), logp.exp()
     alpha = torch.minimum(p, q).sum(-1)
@@ -139,18 +144,28 @@ def _objective_names(cfg) -> list[str]:
     return [*cfg.terms, *extra]
 
 
-def block_pieces(draft_logits: torch.Tensor, target_logits: torch.Tensor, tokens: torch.Tensor,
-                 valid: torch.Tensor, cfg):
+def block_pieces(draft_logits: torch.Tensor, target_logits: torch.Tensor | None, tokens: torch.Tensor,
+                 valid: torch.Tensor, cfg, labels: torch.Tensor | None = None):
     """Whole blocks: draft/target logits [n, K, V], tokens (the data's) [n, K], valid [n, K] ->
     (numerator: sum w * sum_t c_t term_t, term sums [T] = sum w * term_t in cfg.terms order,
     labels [n, K], correct [n, K] bool (argmax == label, valid), alpha [n, K] (0 where invalid)).
-    Only the numerator carries a graph. Sums over chunks of blocks give the whole batch's."""
-    labels = target_logits.argmax(-1) if cfg.ce_labels == "target" else tokens
+    Only the numerator carries a graph. Sums over chunks of blocks give the whole batch's.
+    `labels` [n, K] given (a draft vocabulary's: indices into it, -1 outside it) replace the
+    target's argmax / the data's tokens; -1 slots are left out of the loss (not of the divisor)."""
+    if labels is None:
+        if target_logits is None and cfg.ce_labels == "target":
+            raise ValueError("no target logits and no labels: give labels= or target_hidden")
+        labels = target_logits.argmax(-1) if cfg.ce_labels == "target" else tokens
+    known = labels >= 0  # a label outside the draft vocabulary (-1) is not supervised, and never hit
     correct = (draft_logits.argmax(-1) == labels) & valid
-    values, alpha = slot_terms(draft_logits, target_logits, labels, _objective_names(cfg), cfg.lk_eta)
-    w = slot_weights(valid, values["ce"].detach() if "ce" in values else None, cfg, alpha.dtype)
+    values, alpha = slot_terms(draft_logits, target_logits, labels.clamp(min=0), _objective_names(cfg), cfg.lk_eta)
+    ce = values["ce"].detach() if "ce" in values else None
+    if ce is not None and not bool(known.all()):
+        ce = ce.masked_fill(~known, float("inf"))  # D-PACE: confidence exp(-ce) 0 where the drafter cannot hit
+    w = slot_weights(valid, ce, cfg, alpha.dtype)
     if cfg.until_first_failure:
         w = w * until_first_failure(correct, valid)
+    w = w * known
     sums = torch.stack([(w * values[name]).sum() for name in cfg.terms])  # [T]
     coefs = torch.tensor(list(cfg.terms.values()), dtype=sums.dtype, device=sums.device)
     return (sums * coefs).sum(), sums.detach(), labels, correct, alpha.detach() * valid
@@ -163,28 +178,30 @@ def _draft_logits(head, h: torch.Tensor, bias: tuple | None) -> torch.Tensor:
 
 
 def _chunked_pieces(h, th, tokens, valid, head, cfg, chunk: int, grad: torch.Tensor | None, bias=None,
-                    bias_grads=None):
+                    bias_grads=None, labels=None):
     """block_pieces over chunks of `chunk` blocks, from hidden states h, th [n, K, H] (and the
     draft logits' low-rank bias (u [n, K, r], w2 [V, r])). With `grad` ([n, K, H]), also writes
     there the gradient of the numerator with respect to h, and with the bias into bias_grads
-    (the gradient for u [n, K, r]; the one for w2 [V, r], summed over chunks)."""
+    (the gradient for u [n, K, r]; the one for w2 [V, r], summed over chunks). th None: no
+    target logits (labels given, ce only)."""
     numerator, sums, per_slot = 0.0, 0.0, []
     for i in range(0, h.shape[0], chunk):
         rows = slice(i, i + chunk)
         with torch.no_grad():
-            t_logits = head(th[rows])
+            t_logits = None if th is None else head(th[rows])
         chunk_bias = None if bias is None else (bias[0][rows], bias[1])
+        chunk_labels = None if labels is None else labels[rows]
         if grad is None:
             with torch.no_grad():
                 num, s, *slots = block_pieces(_draft_logits(head, h[rows], chunk_bias), t_logits, tokens[rows],
-                                              valid[rows], cfg)
+                                              valid[rows], cfg, chunk_labels)
         else:
             with torch.enable_grad():
                 leaves = [h[rows].detach().requires_grad_()]
                 if chunk_bias is not None:
                     leaves += [t.detach().requires_grad_() for t in chunk_bias]
                 num, s, *slots = block_pieces(_draft_logits(head, leaves[0], leaves[1:] or None), t_logits,
-                                              tokens[rows], valid[rows], cfg)
+                                              tokens[rows], valid[rows], cfg, chunk_labels)
                 grads = torch.autograd.grad(num, leaves)
                 grad[rows] = grads[0]
                 if chunk_bias is not None:
@@ -206,12 +223,12 @@ class ChunkedBlockLoss(torch.autograd.Function):
     gradients for u and w2 are kept beside the one for h."""
 
     @staticmethod
-    def forward(ctx, h, th, tokens, valid, head, cfg, chunk, u=None, w2=None):
+    def forward(ctx, h, th, tokens, valid, head, cfg, chunk, u=None, w2=None, given=None):
         grad = torch.empty_like(h)
         bias = None if u is None else (u, w2)
         bias_grads = None if u is None else (torch.empty_like(u), torch.zeros_like(w2))
         numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk, grad,
-                                                                  bias, bias_grads)
+                                                                  bias, bias_grads, given)
         ctx.save_for_backward(grad, *(bias_grads or ()))
         ctx.mark_non_differentiable(sums, labels, correct, alpha)
         return numerator, sums, labels, correct, alpha
@@ -220,38 +237,44 @@ class ChunkedBlockLoss(torch.autograd.Function):
     def backward(ctx, g, *_):
         grad, *bias_grads = ctx.saved_tensors
         scaled = [x * g.to(x.dtype) for x in bias_grads] or [None, None]
-        return grad * g.to(grad.dtype), None, None, None, None, None, None, *scaled
+        return grad * g.to(grad.dtype), None, None, None, None, None, None, *scaled, None
 
 
-def dflash_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor, head: torch.nn.Module,
+def dflash_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor | None, head: torch.nn.Module,
                 tokens: torch.Tensor, valid: torch.Tensor, cfg,
                 normalizer: torch.Tensor | float | None = None,
-                markov_bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict]:
+                markov_bias: tuple[torch.Tensor, torch.Tensor] | None = None,
+                labels: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """draft_hidden [b, A, K, H] (the drafter's states for slots 1..K); target_hidden [b, A, K, H]
-    (the target's final-normed state that predicts each slot's token); head: the target's frozen
-    LM head; tokens [b, A, K] the data's tokens at the slots; valid [b, A, K] bool; cfg: the
-    recipe's LossConfig; markov_bias: DSpark's Markov logit bias as (u [b, A, K, r], w2 [V, r]),
-    the drafter's logits being head(h) + u . w2^T (both trained). Returns loss = numerator /
+    (the target's final-normed state that predicts each slot's token); head: the frozen LM head
+    (the target's, or a draft vocabulary's); tokens [b, A, K] the data's tokens at the slots; valid
+    [b, A, K] bool; cfg: the recipe's LossConfig; markov_bias: DSpark's Markov logit bias as
+    (u [b, A, K, r], w2 [V, r]), the drafter's logits being head(h) + u . w2^T (both trained);
+    labels [b, A, K]: given labels in the head's index space (-1: outside it, see block_pieces),
+    and then target_hidden may be None (ce only, alpha reported as 0). Returns loss = numerator /
     normalizer (default: this batch's loss_divisor) and detached metrics: terms [T] (each term's
     share, same divisor, cfg.terms order), labels, correct, valid, alpha [b, A, K]."""
     b, A, K, H = draft_hidden.shape
-    h, th = draft_hidden.reshape(b * A, K, H), target_hidden.reshape(b * A, K, H)
+    h = draft_hidden.reshape(b * A, K, H)
+    th = None if target_hidden is None else target_hidden.reshape(b * A, K, H)
     tok, ok = tokens.reshape(b * A, K), valid.reshape(b * A, K)
+    given = None if labels is None else labels.reshape(b * A, K)
     u, w2 = (None, None) if markov_bias is None else (markov_bias[0].reshape(b * A, K, -1), markov_bias[1])
     if cfg.chunk_slots == 0:
         with torch.no_grad():
-            t_logits = head(th)
+            t_logits = None if th is None else head(th)
         numerator, sums, labels, correct, alpha = block_pieces(_draft_logits(head, h, None if u is None else (u, w2)),
-                                                               t_logits, tok, ok, cfg)
+                                                               t_logits, tok, ok, cfg, given)
     else:
         if any(p.requires_grad for p in head.parameters()):
             raise ValueError("the chunked loss takes a frozen LM head (set loss.chunk_slots=0 to train one)")
         chunk = max(1, cfg.chunk_slots // K)  # whole blocks: D-PACE and AUF act along a block
         if torch.is_grad_enabled() and h.requires_grad:
-            numerator, sums, labels, correct, alpha = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg, chunk, u, w2)
+            numerator, sums, labels, correct, alpha = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg, chunk, u, w2,
+                                                                             given)
         else:
             numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tok, ok, head, cfg, chunk, None,
-                                                                      None if u is None else (u, w2))
+                                                                      None if u is None else (u, w2), None, given)
     divisor = loss_divisor(valid, cfg, numerator.dtype).clamp(min=1e-8) if normalizer is None else normalizer
     shape = (b, A, K)
     return numerator / divisor, {"terms": sums / divisor, "labels": labels.view(shape),

@@ -58,8 +58,9 @@ class DraftVocab:
 
 
 def check_size(size: int, vocab_size: int) -> None:
-    if not 2 <= size <= vocab_size:
-        raise UserError(f"model.draft_vocab_size {size} must be in 2..{vocab_size} (the target's vocabulary)")
+    if not 2 <= size < vocab_size:  # N = V is the full vocabulary: no d2t / t2d (vLLM would not load them)
+        raise UserError(f"model.draft_vocab_size {size} must be in 2..{vocab_size - 1}, below the target's vocabulary "
+                        f"of {vocab_size} (null: the whole vocabulary)")
 
 
 def count_supervised(rows: Iterable[tuple[list[int], list[int]]]) -> Counter:

@@ -33,6 +33,19 @@ class BlockOutputs:
     confidence_logits: torch.Tensor | None = None  # [b, A, K]
     block_hidden: torch.Tensor | None = None  # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
     bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
+    # the target's greedy token at each slot, from a cache that stores it (None: not read; see target_labels)
+    cached_labels: torch.Tensor | None = None  # [b, A, K] long
+
+
+def target_labels(o: BlockOutputs, target: Target, rows: int = 1024) -> torch.Tensor:
+    """The target's greedy token at each slot [b, A, K]: from the cache, else argmax of its LM head
+    over the full vocabulary (no grad, `rows` slots at a time: only a draft vocabulary's step asks)."""
+    if o.cached_labels is not None:
+        return o.cached_labels
+    with torch.no_grad():
+        flat = o.target_hidden.flatten(0, -2)
+        out = torch.cat([target.lm_head(flat[i : i + rows]).argmax(-1) for i in range(0, len(flat), rows)])
+    return out.view(o.target_hidden.shape[:-1])
 
 
 def draw_anchors(batch: Batch, num_anchors: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,10 +71,12 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
     b, T = ids.shape
     A, K = anchors.shape[1], block_size - 1
     with torch.no_grad():
+        labels = None  # the target's greedy token after each position, when the cache stores it
         if cache is None:
             taps, last = target_forward(target, ids, batch.attention_mask, layer_ids)
         else:
             taps, last = cache.batch(batch.rows, T, ids.device, target.embed.weight.dtype)
+            labels = cache.labels(batch.rows, T, ids.device)
         block_ids = torch.full((b, A, block_size), mask_id, dtype=torch.long, device=ids.device)
         block_ids[:, :, 0] = ids.gather(1, anchors)  # slot 0: the anchor (bonus) token
         block_embeds = target.embed(block_ids.view(b, A * block_size))
@@ -70,15 +85,18 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
         H = last.shape[-1]
         t_hidden = last.gather(1, (pos - 1).flatten(1)[..., None].expand(-1, -1, H)).view(b, A, K, H)
         tokens = ids.gather(1, pos.flatten(1)).view(b, A, K)
+        if labels is not None:
+            labels = labels.gather(1, (pos - 1).flatten(1)).view(b, A, K)
     block_hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool()).view(b, A, block_size, -1)
     # slots 1..B-1, made contiguous: the LM head is then one matmul per chunk, not A small batched ones
     hidden = block_hidden[:, :, 1:].contiguous()
     model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
     if model.config.variant != "dspark":
-        return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0])
+        return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0],
+                            cached_labels=labels)
     block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)  # [b, A, B] the true tokens at slots 0..B-1
     u, confidence = dspark.teacher_forced(model, block_hidden, block_tokens)
-    return BlockOutputs(hidden, t_hidden, tokens, valid, u, confidence, block_hidden, block_ids[:, :, 0])
+    return BlockOutputs(hidden, t_hidden, tokens, valid, u, confidence, block_hidden, block_ids[:, :, 0], labels)
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],

@@ -6,8 +6,10 @@ fields (DSpark, DFlash2) are checked against the target's config before anything
 
 from dflash_train.checkpoint.folders import check_matches_target, load_drafter
 from dflash_train.core.errors import UserError
+from dflash_train.data.dataset import stop_token_ids
 from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.model.target import Target, build_target_layer_ids, check_tap_layers
+from dflash_train.model.vocab import build_draft_vocab, check_size, count_supervised
 from dflash_train.training.config import ModelConfig
 
 # Variants a DFlash drafter can start (model.init_from): the prefixes of the modules they add fresh
@@ -45,8 +47,30 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
         attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m, tc),
-        **dflash2_fields(m, tc),
+        **dflash2_fields(m, tc), draft_vocab_size=draft_vocab_size(m, tc),
     )
+
+
+def draft_vocab_size(m: ModelConfig, tc) -> int | None:
+    if m.draft_vocab_size is not None:
+        check_size(m.draft_vocab_size, tc.vocab_size)
+    return m.draft_vocab_size
+
+
+def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds) -> dict | None:
+    """Build a fresh drafter's draft vocabulary from data.train's supervised tokens and fill its frozen
+    head from the target's; a drafter that has one (model.init_from) keeps it. -> what was built
+    (size, coverage of data.train's supervised tokens) or None without a draft vocabulary."""
+    if drafter.lm_head is None:
+        return None
+    counts = count_supervised(zip(train_ds["input_ids"], train_ds["loss_mask"]))
+    if bool(drafter.t2d.any()):  # from model.init_from: its vocabulary is part of the trained drafter
+        vocab = drafter.draft_vocab
+    else:
+        vocab = build_draft_vocab(counts, drafter.config.draft_vocab_size, drafter.config.vocab_size,
+                                  stop_token_ids(target.model, target.tokenizer))
+        drafter.set_draft_vocab(vocab, target.lm_head.weight)
+    return {"size": vocab.size, "coverage": round(vocab.coverage(counts), 4)}
 
 
 def dspark_fields(m: ModelConfig, tc) -> dict:
@@ -80,19 +104,46 @@ def dflash2_fields(m: ModelConfig, tc) -> dict:
             "selector_rank": m.selector_rank, "selector_top_k": m.selector_top_k}
 
 
+def copy_target_layers(drafter: DFlashDrafter, target: Target) -> list[int]:
+    """Drafter layer i <- target decoder layer N-L+i, and the drafter's final norm <- the target's
+    (model.init_layers_from_target). Every tensor of the target layer must land on a drafter tensor
+    of its shape; the drafter's q_norm / k_norm may stay at their ones (Llama has none).
+    -> the target layers copied."""
+    decoder = target.model.get_decoder()
+    L, N = len(drafter.layers), target.num_layers
+    if L > N:
+        raise UserError(f"model.init_layers_from_target: the drafter has {L} layers, the target only {N}")
+    copied = list(range(N - L, N))
+    for layer, k in zip(drafter.layers, copied):
+        state = decoder.layers[k].state_dict()
+        mine = layer.state_dict()
+        bad = [n for n, t in state.items() if n not in mine or mine[n].shape != t.shape]
+        if bad:
+            raise UserError(f"model.init_layers_from_target: target layer {k}'s {bad[0]} has no drafter tensor of "
+                            "its shape (another layer type?)")
+        missing, _ = layer.load_state_dict(state, strict=False)
+        assert all(n.endswith(("q_norm.weight", "k_norm.weight")) or "_conv." in n for n in missing), missing
+    drafter.norm.load_state_dict(decoder.norm.state_dict())
+    return copied
+
+
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees.
     A DFlash drafter may start a DSpark recipe (its backbone, with fresh DSpark heads) or a DFlash2
     one (its weights, identity convolutions, so it computes what it computed, and a fresh selector)."""
     cfg = drafter_config_for(target, m)
     if m.init_from is None:
-        return DFlashDrafter(cfg)
+        drafter = DFlashDrafter(cfg)
+        if m.init_layers_from_target:
+            copy_target_layers(drafter, target)
+        return drafter
     drafter, _ = load_drafter(m.init_from)
     check_matches_target(drafter.config, target)
     loaded = drafter.config
     fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
               ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
-              ("block_attention", "block_attention"), ("variant", "variant")]
+              ("block_attention", "block_attention"), ("variant", "variant"),
+              ("draft_vocab_size", "draft_vocab_size")]
     if loaded.variant == "dspark":
         fields += [("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
                    ("confidence_head", "confidence_head")]

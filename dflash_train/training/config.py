@@ -50,6 +50,11 @@ class ModelConfig(Section):
     mask_token_id: int | None = Field(None, ge=0)
     # In-block attention: bidirectional (DFlash) or causal (JetSpec-style: slot i sees slots <= i).
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
+    # Start drafter layer i from target decoder layer N-L+i (its top L layers: attention, MLP and
+    # norms; the target's final norm for the drafter's): same width, so the fused context and the
+    # block start where the target's own last layers work. q_norm / k_norm start at 1 for a
+    # Llama target, which has none. fc and hidden_norm start fresh either way.
+    init_layers_from_target: bool = False
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None
@@ -70,6 +75,11 @@ class ModelConfig(Section):
     conv_group_size: int = Field(16, ge=1)  # dflash2: hidden channels sharing one dynamic kernel
     selector_rank: int = Field(256, ge=1)  # dflash2: rank r of the selector's codebooks
     selector_top_k: int = Field(16, ge=1)  # dflash2: unary candidates per slot the selector re-ranks
+    # Draft vocabulary (dflash_train/model/vocab.py): the drafter predicts over the N tokens most often
+    # supervised in data.train (the stop tokens always among them) through the target's rows of them,
+    # frozen; exported as speculators' lm_head / d2t / t2d. null = the target's whole vocabulary.
+    # variant dflash only (DSpark's and DFlash2's [V, r] tables span the full vocabulary).
+    draft_vocab_size: int | None = Field(None, ge=2)
 
 
 class DataConfig(Section):
@@ -192,6 +202,12 @@ class RunConfig(Section):
         if self.tree_distill.weight > 0 and not (m.variant == "dflash2" or (m.variant == "dspark" and m.markov_rank > 0)):
             raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank > 0, "
                              f"or dflash2); model.variant={m.variant} has none")
+        if m.init_layers_from_target and m.init_from is not None:
+            raise ValueError("model.init_layers_from_target and model.init_from both give the drafter's layers: "
+                             "choose one")
+        if m.draft_vocab_size is not None and m.variant != "dflash":
+            raise ValueError(f"model.draft_vocab_size is for variant dflash: model.variant={m.variant} drafts over the "
+                             "full vocabulary (its Markov / selector tables span it); leave draft_vocab_size null")
         if self.tree_distill.weight > 0 and self.tree_distill.every > self.max_steps:
             raise ValueError(f"tree_distill.every={self.tree_distill.every} is past max_steps={self.max_steps}: "
                              "no step would ever distil (lower every, or set tree_distill.weight=0)")

@@ -59,8 +59,8 @@ from dflash_train.model.target import load_target, native_bf16
 from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_loss
 from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, confidence_loss
 from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts,
-                                          ddtree_acceptance, draw_anchors)
-from dflash_train.training.build import init_drafter
+                                          ddtree_acceptance, draw_anchors, target_labels)
+from dflash_train.training.build import attach_draft_vocab, init_drafter
 from dflash_train.training.config import RunConfig, dump_recipe
 from dflash_train.training.engines import (configure_deepspeed, full_model_state, full_optimizer_state,
                                            fully_shard_drafter, grad_norm_of, gradient_sync, launched_engine,
@@ -141,7 +141,8 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
             tree = torch.zeros(sizes[2], dtype=torch.float64)
             for j in range(0, len(flat[0]), n):
                 hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
-                tree += ddtree_acceptance(target.lm_head(hidden).float().cpu(), labels.cpu(), valid.cpu(), budgets, n,
+                tree += ddtree_acceptance(model.full_logits(hidden, target.lm_head).float().cpu(), labels.cpu(),
+                                          valid.cpu(), budgets, n,
                                           conditional, *(x.float().cpu() if x.is_floating_point() else x.cpu()
                                                        for x in path_inputs))
         calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
@@ -186,7 +187,8 @@ def cpu_tree_scorer(model):
     return partial(scorer, copy.eval())
 
 
-def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) -> tuple[torch.Tensor, dict]:
+def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
+                  with_alpha: bool = True) -> tuple[torch.Tensor, dict]:
     """The recipe's loss on the anchored blocks (a DSpark drafter's logits carry its Markov bias),
     plus, for DSpark's confidence head, loss.confidence_weight x its BCE toward the detached
     per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
@@ -194,6 +196,8 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) ->
     terms' slot weights, the same normaliser), reported as the term "selector", and the chain's
     hits are then the selector walk's (teacher-forced, dflash2.selector_loss)."""
     bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
+    if model.lm_head is not None:  # a draft vocabulary: its own (cheap) step
+        return draft_vocab_loss(o, target, model, cfg, normalizer, with_alpha)
     loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
                           normalizer=normalizer, markov_bias=bias)
     if o.confidence_logits is not None and cfg.loss.confidence_weight:
@@ -206,6 +210,20 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer) ->
         m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
         m["correct"] = correct
         loss = loss + cfg.loss.selector_weight * sel
+    return loss, m
+
+
+def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
+                     with_alpha: bool) -> tuple[torch.Tensor, dict]:
+    """The loss of a drafter with a draft vocabulary, in draft space: labels (the target's greedy
+    tokens from the cache, or the data's) mapped into it, -1 outside it (left out of the loss, a
+    miss for acceptance). The target's logits over the draft vocabulary (speculators' renormalised
+    p) are computed only when a term or alpha needs them: a ce step touches only the N-wide head."""
+    given = target_labels(o, target) if cfg.loss.ce_labels == "target" else o.tokens
+    need_p = with_alpha or bool(set(cfg.loss.terms) - {"ce"})
+    loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head, o.tokens, o.valid,
+                          cfg.loss, normalizer=normalizer, labels=model.to_draft_ids(given))
+    m["labels"] = given  # target ids: validation's trees are walked in the target's vocabulary
     return loss, m
 
 
@@ -510,6 +528,10 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     train_dl, sampler, val_ds, collate_fn, cache = setup_data(cfg, target, layer_ids, accelerator)
+    draft_vocab = attach_draft_vocab(drafter, target, train_dl.dataset)  # before a resume loads the saved one
+    if draft_vocab:
+        accelerator.print(f"draft vocabulary: {draft_vocab['size']} of {dcfg.vocab_size} tokens, covering "
+                          f"{draft_vocab['coverage']:.1%} of data.train's supervised tokens")
     drafter, opt, raw_opt, sched, shared_w1, train_dl, position = setup_optimization(cfg, accelerator, engine, drafter,
                                                                                      target, train_dl, resume)
     start_step, epoch, skip, tokens, train_time = position
@@ -632,7 +654,8 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
             o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, B, run.mask_id,
                                 run.cache)
             model = accelerator.unwrap_model(drafter)
-            loss, m = training_loss(o, run.target, model, cfg, normalizer)
+            # alpha needs the target's logits: a draft-vocabulary step skips them between log steps
+            loss, m = training_loss(o, run.target, model, cfg, normalizer, with_alpha=step % cfg.log_every == 0)
             if cfg.tree_distill.weight > 0:  # its term: this step's KL on the first micro-batch, else 0
                 kl = torch.zeros((), device=loss.device)
                 if distil and i == 0:
@@ -676,6 +699,8 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
               "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
               "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": run.tokens,
               "train_tokens_per_s": round(run.tokens / run.train_time, 1)}
+    if step % cfg.log_every and accelerator.unwrap_model(drafter).lm_head is not None:
+        del record["alpha_per_position"]  # a draft-vocabulary step computes alpha on log steps only
     if tree_nodes:  # tree distillation: the share of its nodes where the drafter's argmax is the target's
         record["tree_agree"] = round(tree_agree / tree_nodes, 4)
     return record, live, (epoch, in_epoch), stop_after_step

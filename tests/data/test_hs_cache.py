@@ -35,9 +35,9 @@ def test_manifest_and_stored_states(caches, tiny_target, ds):
     assert m["rows"] == len(ds) and m["tokens"] == sum(len(x) for x in ds["input_ids"])
     assert m["target_layer_ids"] == TAPS and m["target_pin"]["kind"] == "content_sha256"
     assert len(m["shards"]) == (len(ds) + 23) // 24 and not (path / hs.PARTIAL).exists()
-    assert m["bytes_per_token"] == 3 * 128 * 4
-    assert caches["bfloat16"][1]["bytes_per_token"] == 3 * 128 * 2
-    assert caches["fp8"][1]["bytes_per_token"] == 3 * 128 + 8
+    assert m["bytes_per_token"] == 3 * 128 * 4 + 4  # + the int32 label
+    assert caches["bfloat16"][1]["bytes_per_token"] == 3 * 128 * 2 + 4
+    assert caches["fp8"][1]["bytes_per_token"] == 3 * 128 + 8 + 4
     for s in m["shards"]:
         assert hs.file_sha256(path / s["file"]) == s["sha256"]
     # a stored row equals a fresh target forward of that row alone

@@ -164,8 +164,8 @@ def test_low_precision_input_matches_float32_upcast(dtype):
 def test_masked_vocabulary_gives_no_nan():
     logits = torch.full((2, 5), float("-inf"))
     logits[:, :2] = torch.tensor([1.0, 0.0])
-    tree = build_tree(logits, budget=30)  # 5 + 25 prefixes, most with probability 0
-    assert tree.size == 30 and not tree.log_probs.isnan().any()
+    tree = build_tree(logits, budget=30)  # 5 + 25 prefixes, only 2 + 4 with probability above 0
+    assert tree.size == 6 and not tree.log_probs.isnan().any() and tree.log_probs.isfinite().all()
     # p = (0.73, 0.27) per depth: (0) .73, (0,0) .53, (1) .27, (0,1) = (1,0) .20, (1,1) .07
     assert tree.tokens[:6].tolist() == [0, 0, 1, 1, 0, 1] and tree.depths[:6].tolist() == [1, 2, 1, 2, 2, 2]
 

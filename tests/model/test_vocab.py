@@ -39,9 +39,9 @@ def test_supervised_tokens_only_are_counted():
     assert count_supervised([([5, 6, 6, 7], [0, 1, 1, 0]), ([6, 8], [1, 1])]) == Counter({6: 3, 8: 1})
 
 
-@pytest.mark.parametrize("size", [1, 1001])
-def test_a_size_outside_2_to_the_vocabulary_is_one_line(size):
-    with pytest.raises(UserError, match=rf"draft_vocab_size {size} must be in 2..1000"):
+@pytest.mark.parametrize("size", [1, 1000, 1001])
+def test_a_size_outside_2_to_below_the_vocabulary_is_one_line(size):
+    with pytest.raises(UserError, match=rf"draft_vocab_size {size} must be in 2..999"):
         build_draft_vocab(Counter({1: 1}), size, 1000)
 
 

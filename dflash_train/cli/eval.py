@@ -14,14 +14,11 @@ and DDTree output equals the AR greedy output token for token. Writes report.jso
 and PNG plots to --output.
 """
 
-import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import torch
-from pydantic import Field
 from tqdm.auto import tqdm
 
 from dflash_train.checkpoint.folders import (check_matches_target, drafter_fingerprint, load_drafter, resolve_folder,
@@ -29,10 +26,9 @@ from dflash_train.checkpoint.folders import (check_matches_target, drafter_finge
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import require_free_output, write_atomically
 from dflash_train.core.progress import BAR_INTERVAL
-from dflash_train.core.schema import Open, validated
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.decoding.decode import TREE_SCORES
-from dflash_train.evaluation.costs import measure_costs, widths_for
+from dflash_train.evaluation.costs import measure_costs, read_device_costs, widths_for
 from dflash_train.evaluation.report import write_report
 from dflash_train.evaluation.suites import DEFAULT_SUITE, load_suite
 from dflash_train.evaluation.summary import build_report, hardware_record, scorer_key
@@ -94,33 +90,6 @@ def resolve_device(text: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return device
-
-
-Ms = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a measured time: positive and finite
-
-
-class DeviceCosts(Open):
-    """A benchmarks/gpu_costs.py JSON (the fields the predictions read)."""
-    verify_ms_by_width: Annotated[dict[Annotated[int, Field(ge=1)], Ms], Field(min_length=1)]
-    draft_ms: Ms
-    draft_ms_by_batch: dict[Annotated[int, Field(ge=1)], Ms] = {}
-    tree_build_ms_by_budget: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0, allow_inf_nan=False)]] = {}
-    device: str | None = None
-
-
-def read_device_costs(path: str | None) -> dict | None:
-    """A benchmarks/gpu_costs.py JSON (verify ms by width, draft ms, ... on another device), read
-    once and checked against DeviceCosts before anything loads: a negative, zero or NaN time would
-    otherwise recommend a budget, or crash after the whole eval."""
-    if path is None:
-        return None
-    where = f"--verify-times '{path}' is not a costs JSON from benchmarks/gpu_costs.py"
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{where} ({type(e).__name__})") from None
-    validated(DeviceCosts, data, where)
-    return data
 
 
 def parse_args(argv):

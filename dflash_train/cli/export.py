@@ -19,7 +19,7 @@ from pathlib import Path
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from dflash_train.checkpoint.folders import count_parameters, load_drafter, resolve_folder
+from dflash_train.checkpoint.folders import count_parameters, distilled_steps, load_drafter, resolve_folder
 from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import require_free_output, write_atomically
@@ -103,7 +103,8 @@ def main(argv=None):
     recipe_file = folder / "recipe.yaml"
     recipe_text = recipe_file.read_text() if recipe_file.is_file() else None
     card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
-                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder))
+                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder),
+                      distilled_steps(folder))
 
     write_atomically(out, lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
                                                    recipe_text, reports), "export")

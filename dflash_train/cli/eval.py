@@ -32,8 +32,8 @@ from dflash_train.evaluation.costs import measure_costs, read_device_costs, widt
 from dflash_train.evaluation.report import write_report
 from dflash_train.evaluation.suites import DEFAULT_SUITE, load_suite
 from dflash_train.evaluation.summary import build_report, hardware_record, scorer_key
-from dflash_train.evaluation.sweep import run_sweep, sweep_order, warm_up
-from dflash_train.model.target import load_target, target_dtype
+from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_order, warm_up
+from dflash_train.model.target import check_positions, config_positions, load_target, target_dtype
 
 
 # A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
@@ -158,6 +158,9 @@ def main(argv=None):
     target = load_target(target_id, revision=args.target_revision or (None if args.target else meta["target"]["revision"]),
                          dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
     check_matches_target(drafter.config, target)
+    positions = config_positions(target.model.config)
+    check_positions(args.max_new_tokens, "--max-new-tokens", positions, target_id)
+    check_prompts_fit(suites, target.tokenizer, positions, target_id)
     drafter.to(device=device, dtype=dtype).eval()
     stops = stop_token_ids(target.model, target.tokenizer)
     B = drafter.config.block_size

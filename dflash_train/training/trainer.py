@@ -55,7 +55,7 @@ from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data.dataset import check_data_path, collate, load_conversations
 from dflash_train.data.hs_cache import check_complete, open_cache
 from dflash_train.model.loss import acceptance_counts, acceptance_metrics, dflash_loss, exp_weights, loss_divisor
-from dflash_train.model.target import load_target, native_bf16
+from dflash_train.model.target import check_positions, load_target, max_positions, native_bf16
 from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_loss
 from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, confidence_loss
 from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts,
@@ -246,9 +246,12 @@ def check_heads_engine(variant: str, engine: str, accelerator) -> None:
 def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
     """Local inputs -> absolute paths (from the current folder, else the checkout: the bundled target
     and data), checked to be there before anything is loaded; Hub ids stay ids. The recipe saved
-    with the drafter then names its target and data from any folder."""
+    with the drafter then names its target and data from any folder. data.max_length is checked
+    against the target's positions (its config only) before its weights load."""
     m, d = cfg.model, cfg.data
     m.target = model_source(m.target, "model.target")
+    check_positions(d.max_length, "data.max_length",
+                    max_positions(m.target, m.target_revision, m.trust_remote_code), m.target)
     if m.init_from is not None:
         m.init_from = model_source(m.init_from, "model.init_from")
     d.train, d.val = resolve_input(d.train), resolve_input(d.val)

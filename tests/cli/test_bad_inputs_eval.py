@@ -293,3 +293,26 @@ def test_costs_files_that_make_sense_are_read(tmp_path):
             "tree_build_ms_by_scores": {"dflash2": {"16": 0.8}}, "chain_walk_ms_by_scores": {"dflash2": 0.1}}
     path.write_text(json.dumps(good))
     assert costs.read_device_costs(str(path)) == good
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--max-new-tokens", "600"], "--max-new-tokens 600 is past the 512 positions of target"),
+    (["--suite", "LONG", "--max-new-tokens", "4"], "suite 'long' prompt 2 is "),
+])
+def test_eval_refuses_what_the_targets_positions_cannot_hold(extra, fragment, fresh_drafter_dir, tmp_path):
+    """Past max_position_embeddings transformers only warned (of the tokenizer's length) and decoded
+    on: a prompt leaving no position for its reply (named by suite and number; here its two turns
+    together, the first fits) and a --max-new-tokens past them are one line before the sweep, with
+    an earlier report kept."""
+    long = write_jsonl(tmp_path / "long.jsonl", [
+        {"messages": [{"role": "user", "content": "Hi!"}]},
+        {"messages": [{"role": "user", "content": "hello " * 100}, {"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": "and again " * 100}]}])
+    out = kept_output(tmp_path, "eval")
+    extra = [str(long) if a == "LONG" else a for a in extra]
+    argv = ["--drafter", fresh_drafter_dir, *extra, "--output", out, "--overwrite", "--limit", "4"]
+    code, _, stderr = run_main(dflash_eval.main, argv)
+    check_refused(code, stderr, fragment, out, tmp_path)
+    if "--suite" in extra:
+        assert "(its turns as the chat template renders them), leaving no room for a reply" in \
+            error_line(stderr)

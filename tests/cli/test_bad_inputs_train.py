@@ -152,6 +152,23 @@ def selector_rank(tmp, small_data, cache, finished):
         "model.selector_rank 1000000000 exceeds the target's vocabulary"
 
 
+def max_length_past_positions(tmp, small_data, cache, finished):
+    return train_main, quick(tmp / "new", small_data, "data.max_length=1000"), \
+        "data.max_length 1000 is past the 512 positions of target"
+
+
+def cache_max_length_past_positions(tmp, small_data, cache, finished):
+    return hs_cli.main, ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET),
+                         "--output", str(tmp / "c"), "--max-length", "513"], \
+        f"--max-length 513 is past the 512 positions of target '{TINY_TARGET}' (its max_position_embeddings)"
+
+
+def cache_batch_size(tmp, small_data, cache, finished):
+    return hs_cli.main, ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET),
+                         "--output", str(tmp / "c"), "--batch-size", "5000"], \
+        "--batch-size must be at most 4096"
+
+
 def cache_device(tmp, small_data, cache, finished):
     return hs_cli.main, ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET),
                      "--output", str(tmp / "c"), "--device", "bogus"], "--device 'bogus' is not a device"
@@ -164,7 +181,8 @@ def cache_taps(tmp, small_data, cache, finished):
 
 CASES = [deleted_shard_overwrite, deleted_shard_new_run, truncated_shard, corrupted_shard, truncated_manifest,
          manifest_field, resume_state_field, resume_marker_field, infinite_weight, markov_rank, selector_rank,
-         cache_device, cache_taps]
+         cache_device, cache_taps, max_length_past_positions, cache_max_length_past_positions,
+         cache_batch_size]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)

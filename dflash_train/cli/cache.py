@@ -13,7 +13,7 @@ import torch
 
 from dflash_train.cli.prepare import MAX_BATCH_SIZE
 from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import require_free_output
+from dflash_train.core.outputs import output_lock, require_free_output
 from dflash_train.core.paths import model_source
 from dflash_train.data.dataset import check_data_path, load_conversations
 from dflash_train.data.hs_cache import DTYPES, build_cache, shards_done
@@ -66,6 +66,11 @@ def parse_args(argv):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args)
+
+
+def run(args) -> None:
     out = Path(args.output)
     # A cache of ours is resumed, or kept when complete, without --overwrite (build_cache decides)
     require_free_output(out, True, "cache", [("--data", args.data), ("--target", args.target)])

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from dflash_train.checkpoint.folders import (check_matches_target, drafter_fingerprint, load_drafter, resolve_folder,
                                              trained_for)
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import require_free_output, write_atomically
+from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.decoding.decode import TREE_SCORES
@@ -138,6 +138,11 @@ def parse_args(argv):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args, argv)
+
+
+def run(args, argv) -> None:
     out = Path(args.output)
     require_free_output(out, args.overwrite, "eval", [("--drafter", args.drafter), ("--target", args.target),
                                                       ("--verify-times", args.verify_times)])

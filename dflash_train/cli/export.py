@@ -22,7 +22,7 @@ from huggingface_hub.utils import validate_repo_id
 from dflash_train.checkpoint.folders import count_parameters, distilled_steps, load_drafter, resolve_folder
 from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import require_free_output, write_atomically
+from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
 from dflash_train.core.paths import model_source
 from dflash_train.export.card import model_card, pin_text, run_choice
 from dflash_train.export.writer import check_reports, check_verifier, load_verifier, push, read_reports, write_export
@@ -75,6 +75,11 @@ def parse_args(argv):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args)
+
+
+def run(args) -> None:
     out = Path(args.output)
     inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier),
               *[("--eval-report", r) for r in args.eval_report]]

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import marker_kind, require_free_output, write_atomically
+from dflash_train.core.outputs import marker_kind, output_lock, require_free_output, write_atomically
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data import regenerate as regen
@@ -197,6 +197,11 @@ def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args)
+
+
+def run(args) -> None:
     out = Path(args.output)
     inputs = [("--input", args.input), ("--target", args.target)]
     require_free_output(out, args.overwrite, "prepare", inputs)

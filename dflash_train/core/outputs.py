@@ -6,14 +6,17 @@ the kind of folder. `--overwrite` / `overwrite=true` only ever replaces a folder
 and of the same kind; any other non-empty folder is refused. An output is written beside the old
 one (a temporary sibling) and swapped in at the very end, so a failure leaves the old output as it
 was. An output may not be, hold or lie inside one of the command's inputs (core/paths.py finds them).
+One process at a time writes an output (output_lock): a second one is refused on one line.
 """
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_train import __version__
@@ -103,6 +106,86 @@ def check_writable(out: Path, flag: str) -> None:
     except OSError as e:
         raise UserError(f"{flag} '{out}' cannot be written: no folder can be made in '{parent}' "
                         f"({e.strerror or type(e).__name__})") from None
+
+
+LOCK_TRIES = 5  # a lock file removed by its holder as we opened it is opened again, this many times
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """mkdir -p `folder`, -> the folders made, outermost first (removed again if left empty)."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for f in reversed(missing):
+        f.mkdir(exist_ok=True)
+    return missing[::-1]
+
+
+def _remove_empty(made: list[Path]) -> None:
+    for f in reversed(made):
+        try:
+            f.rmdir()
+        except OSError:  # not empty: the output, or someone else's, is in it
+            return
+
+
+def _take_lock(path: Path, out: Path, flag: str) -> int:
+    """flock `path` (made if missing) without waiting -> its fd, with our pid written in it. Held
+    by another process: a UserError naming that process's pid (which it wrote there)."""
+    for _ in range(LOCK_TRIES):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's file: flock needs no write access
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(f"{flag} '{out}' is in use by another dflash-train process (pid {pid}): wait for "
+                            "it to finish, or write somewhere else") from None
+        try:
+            ours = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError:  # a read-only fd: the lock holds all the same, without a pid to name
+                pass
+            return fd
+        os.close(fd)  # its holder released and removed it while we opened it: lock the new one
+    raise UserError(f"{flag} '{out}': its lock file '{path}' was replaced {LOCK_TRIES} times as it was "
+                    "opened: another process keeps taking and releasing it")
+
+
+@contextmanager
+def output_lock(out: Path, flag: str) -> Iterator[None]:
+    """Hold `out` for this process while the block runs: another dflash-train process on the same
+    output (two runs started together, or one started while this one works) is refused on one line,
+    and this one goes on unharmed. An flock on `.NAME.lock` beside `out` (parents made for it, removed
+    again if left empty): the kernel drops it when a process dies, so a killed run blocks nothing;
+    the file is removed when the lock is released. Beside, not inside: `out` itself is swapped."""
+    given, out = out, Path(os.path.abspath(out))
+    check_folder_path(given, flag)
+    check_writable(given, flag)
+    if not out.name:
+        raise UserError(f"{flag} '{given}' is the root folder: choose a folder to write")
+    made = _make_parents(out.parent)
+    path = out.parent.resolve() / f".{out.name}.lock"  # one file whichever symlinked path names it
+    try:
+        fd = _take_lock(path, given, flag)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still held: a process that opened it meanwhile is refused
+        os.close(fd)
+        _remove_empty(made)
 
 
 def is_empty(out: Path) -> bool:

@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -49,7 +50,7 @@ from dflash_train.checkpoint.folders import (check_resumable, count_parameters, 
                                              save_drafter, write_checkpoint)
 from dflash_train.core.errors import UserError
 from dflash_train.core.outputs import (KINDS, MARKER, check_folder_path, check_writable, is_empty, marker_kind,
-                                       refuse_overlap, sibling, write_marker)
+                                       output_lock, refuse_overlap, sibling, write_marker)
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data.dataset import check_data_path, collate, load_conversations
@@ -437,6 +438,16 @@ class Run:
 
 
 def train(cfg: RunConfig) -> None:
+    """Train with output_dir held (core/outputs.output_lock): a second training started on it is
+    refused on one line. Under a launcher the launch's first process (global rank 0) holds it for
+    all: refused, it exits 2 and the launcher stops the others, which have written nothing yet
+    (output_dir is opened only once every process has loaded and checked its inputs)."""
+    first = os.environ.get("RANK", "0") == "0"
+    with output_lock(Path(cfg.output_dir), "output_dir") if first else nullcontext():
+        run_training(cfg)
+
+
+def run_training(cfg: RunConfig) -> None:
     plan = plan_output_dir(cfg)  # before anything is loaded: a refusal costs nothing
     run = setup(cfg, plan)
     metrics_file = open_metrics(run)

@@ -73,7 +73,8 @@ def main(argv=None):
 def run(args) -> None:
     out = Path(args.output)
     # A cache of ours is resumed, or kept when complete, without --overwrite (build_cache decides)
-    require_free_output(out, True, "cache", [("--data", args.data), ("--target", args.target)])
+    require_free_output(out, args.overwrite, "cache", [("--data", args.data), ("--target", args.target)],
+                        resumable=True)
     check_data_path(args.data)
     source = model_source(args.target, "target")
     check_positions(args.max_length, "--max-length", max_positions(source, args.target_revision), args.target)

@@ -192,10 +192,22 @@ def is_empty(out: Path) -> bool:
     return not out.exists() or not any(out.iterdir())
 
 
+def check_cwd_outside(out: Path, flag: str) -> None:
+    """Replacing `out` moves it aside and deletes it: refused when it holds the current folder (the
+    user's shell would be left in a deleted folder). `out` being the current folder itself is fine:
+    it keeps its place and its entries are moved (move_aside)."""
+    cwd, target = Path.cwd().resolve(), Path(out).resolve()
+    if cwd != target and cwd.is_relative_to(target):
+        raise UserError(f"{flag} '{out}' holds the current folder '{cwd}': replacing it would delete the "
+                        "folder you are in; run the command from outside it")
+
+
 def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
-                        flag: str = "--output") -> None:
+                        flag: str = "--output", resumable: bool = False) -> None:
     """Before any work: `out` is absent or empty, or (with --overwrite) an output of this kind that
-    this toolkit wrote; it is not one of the inputs, nor inside one, nor around one."""
+    this toolkit wrote, not holding the current folder; it is not one of the inputs, nor inside one,
+    nor around one. `resumable`: an output of this kind is also taken without --overwrite (the
+    command resumes or keeps it: dflash-cache)."""
     out = Path(out)
     check_folder_path(out, flag)
     refuse_overlap(out, inputs, flag)
@@ -208,8 +220,10 @@ def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
                         "choose another folder, or empty it yourself")
     if found != kind:
         raise UserError(f"{flag} '{out}' holds {KINDS.get(found, found)}, not {KINDS[kind]}: choose another folder")
-    if not overwrite:
+    if not overwrite and not resumable:
         raise UserError(f"{flag} '{out}' is not empty: it holds {KINDS[kind]} (pass --overwrite to replace it)")
+    if overwrite:
+        check_cwd_outside(out, flag)
 
 
 def sibling(out: Path, tag: str) -> Path:
@@ -227,6 +241,20 @@ def match_umask(path: Path) -> None:
             os.chmod(f, 0o666 & ~UMASK)
 
 
+def move_aside(out: Path) -> Path:
+    """Move the folder at `out` out of the way of a new output -> where it went (a hidden sibling, for
+    the caller to delete once the new output is in). The current folder (`--output .`) keeps its
+    place, since the user's shell is in it: its entries move instead."""
+    old = sibling(out, "old")
+    if os.path.samefile(out, os.getcwd()):
+        old.mkdir()
+        for entry in list(Path(out).iterdir()):
+            os.replace(entry, old / entry.name)
+    else:
+        os.replace(out, old)
+    return old
+
+
 def replace_folder(new: Path, out: Path) -> None:
     """Swap `new` in at `out`. An old `out` is moved aside first and deleted after the swap. An empty
     `out`, or the current folder (`--output .`, which must not be renamed: the user's shell is in it),
@@ -237,19 +265,14 @@ def replace_folder(new: Path, out: Path) -> None:
         os.replace(new, out)
         return
     if out.is_dir() and (not any(out.iterdir()) or os.path.samefile(out, os.getcwd())):
-        old = sibling(out, "old") if any(out.iterdir()) else None
-        if old is not None:
-            old.mkdir()
-            for entry in list(out.iterdir()):
-                os.replace(entry, old / entry.name)
+        old = move_aside(out) if any(out.iterdir()) else None
         for entry in sorted(new.iterdir(), key=lambda p: p.name != MARKER):
             os.replace(entry, out / entry.name)
         new.rmdir()
         if old is not None:
             shutil.rmtree(old)
         return
-    old = sibling(out, "old")
-    os.replace(out, old)
+    old = move_aside(out)
     os.replace(new, out)
     shutil.rmtree(old)
 

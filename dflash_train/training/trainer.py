@@ -49,8 +49,9 @@ from transformers import get_cosine_schedule_with_warmup
 from dflash_train.checkpoint.folders import (check_resumable, count_parameters, load_checkpoint, newest_checkpoint,
                                              save_drafter, write_checkpoint)
 from dflash_train.core.errors import UserError
-from dflash_train.core.outputs import (KINDS, MARKER, check_folder_path, check_writable, is_empty, marker_kind,
-                                       output_lock, refuse_overlap, sibling, write_marker)
+from dflash_train.core.outputs import (KINDS, MARKER, check_cwd_outside, check_folder_path, check_writable,
+                                       is_empty, marker_kind, move_aside, output_lock, refuse_overlap,
+                                       write_marker)
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data.dataset import check_data_path, collate, load_conversations
@@ -303,12 +304,14 @@ def plan_output_dir(cfg: RunConfig) -> OutputPlan:
         if kind is None:
             raise UserError(f"output_dir '{out}' has no {MARKER} (written before dflash-train marked its runs), so "
                             "overwrite=true will not delete it: delete it yourself, or choose another output_dir")
+        check_cwd_outside(out, "output_dir")
         return OutputPlan(None, True, f"overwrite=true: the run in '{out}' ({what}) is deleted once the new run "
                                       "is set up")
     if (out / "summary.json").is_file():
         raise UserError(f"output_dir '{out}' holds a finished run: overwrite=true deletes it ({what}), "
                         "or choose another output_dir")
     if newest is None:
+        check_cwd_outside(out, "output_dir")
         return OutputPlan(None, True, f"output_dir '{out}' holds a run stopped before its first checkpoint "
                                       f"({what}): starting it again")
     try:
@@ -328,9 +331,7 @@ def open_output_dir(out: Path, plan: OutputPlan, accelerator) -> None:
     then delete the earlier run."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        old = sibling(out, "old") if plan.replace else None
-        if old is not None:
-            os.replace(out, old)
+        old = move_aside(out) if plan.replace else None  # output_dir=.: the current folder stays, emptied
         out.mkdir(parents=True, exist_ok=True)
         write_marker(out, "train")
         if old is not None:

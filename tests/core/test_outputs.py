@@ -204,6 +204,18 @@ def test_output_dot_is_written_into_the_current_folder_and_replaced_in_place(tmp
     assert here.stat().st_ino == inode and Path.cwd() == here and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
 
 
+def test_an_output_holding_the_current_folder_is_not_replaced(tmp_path, monkeypatch):
+    """Issue 30: replacing `..` from inside it (eval, export, prepare, cache) would delete the folder
+    the shell is in; resuming a cache there replaces nothing and goes on."""
+    out = made(tmp_path, "cache")
+    (out / "sub").mkdir()
+    monkeypatch.chdir(out / "sub")
+    with pytest.raises(UserError, match=rf"^--output '\.\.' holds the current folder '{out / 'sub'}'"):
+        require_free_output(Path(".."), True, "cache", [])
+    require_free_output(Path(".."), False, "cache", [], resumable=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "old.txt", "sub"])
+
+
 def test_a_folder_that_is_no_target_model_is_named_as_such(tmp_path):
     """Issue 30: a data folder or one of our drafters given as the target ended in the tokenizer
     loader's line, cut mid-sentence ("Couldn't instantiate the backend tokenizer from one of: ")."""

@@ -34,12 +34,13 @@ from dflash_train.evaluation.suites import DEFAULT_SUITE, load_suite
 from dflash_train.evaluation.summary import build_report, hardware_record, scorer_key
 from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_order, warm_up
 from dflash_train.model.target import check_positions, config_positions, load_target, target_dtype
+from dflash_train.training.config import MAX_TREE_BUDGET
 
 
 # A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
-# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes the
-# allocator, not the tree, decides; 256 requests already put a 64-node tree at width 16,640.
-MAX_BUDGET = 4096
+# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes
+# (MAX_TREE_BUDGET, the recipes' bound too) the allocator, not the tree, decides; 256 requests
+# already put a 64-node tree at width 16,640.
 MAX_CONCURRENCY = 256
 
 
@@ -54,9 +55,10 @@ def parse_budgets(text: str) -> list[int]:
         raise UserError(f"--budgets must be comma-separated integers, got '{text}'") from None
     if not budgets or budgets[0] < 0:
         raise UserError(f"--budgets must be non-negative integers, got '{text}'")
-    if budgets[-1] > MAX_BUDGET:
-        raise UserError(f"--budgets {budgets[-1]} is above the limit of {MAX_BUDGET} tree nodes (one verify forward "
-                        f"holds [budget+1, vocab] logits and a [budget+1, context+budget+1] mask)")
+    if budgets[-1] > MAX_TREE_BUDGET:
+        raise UserError(f"--budgets {budgets[-1]} is above the limit of {MAX_TREE_BUDGET} tree nodes (one "
+                        "verify forward holds [budget+1, vocab] logits and a [budget+1, context+budget+1] "
+                        "mask)")
     return [b for b in budgets if b > 0]
 
 

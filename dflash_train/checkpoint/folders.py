@@ -70,13 +70,38 @@ def save_drafter(out: Path, drafter: DFlashDrafter, target: Target, recipe_yaml:
 
 def trained_for(folder: Path) -> dict:
     """What a drafter folder's training recipe (ours: recipe.yaml; an export: training_recipe.yaml)
-    says it was trained for: {"deploy_budget": int or None, "tree_distill": its section or None}."""
+    says it was trained for: {"deploy_budget": int or None, "tree_distill": its section or None,
+    "distilled": distilled_steps(folder) when the recipe distils trees, else None}."""
     import yaml
 
+    recipe = {}
     for name in ("recipe.yaml", "training_recipe.yaml"):
         if (folder / name).is_file():
-            return recipe_trained_for(yaml.safe_load((folder / name).read_text()) or {})
-    return recipe_trained_for({})
+            recipe = yaml.safe_load((folder / name).read_text()) or {}
+            break
+    trained = recipe_trained_for(recipe)
+    return trained | {"distilled": distilled_steps(folder) if trained["tree_distill"] else None}
+
+
+def distilled_steps(folder: Path) -> dict | None:
+    """How many optimizer steps distilled trees into a drafter folder of a training run (final/: the
+    whole run; checkpoints/step_N/: steps up to N), from the run's metrics.jsonl, where a step whose
+    trees had nodes carries tree_agree -> {"distilled": n, "steps": m}. None where no run's metrics
+    are beside the folder (a copy, an export, a Hub drafter): a recipe says what was asked, only
+    the metrics say what happened."""
+    folder = Path(folder).resolve()
+    if folder.name == "final":
+        run, last = folder.parent, None
+    elif folder.parent.name == "checkpoints" and CHECKPOINT_NAME.fullmatch(folder.name):
+        run, last = folder.parent.parent, int(CHECKPOINT_NAME.fullmatch(folder.name)[1])
+    else:
+        return None
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        steps = [r for r in map(json.loads, filter(str.strip, lines)) if last is None or r["step"] <= last]
+        return {"distilled": sum("tree_agree" in r for r in steps), "steps": len(steps)}
+    except (OSError, ValueError, TypeError, KeyError):  # absent or damaged: unknown, not zero
+        return None
 
 
 def recipe_trained_for(r: dict) -> dict:

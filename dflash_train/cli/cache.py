@@ -11,11 +11,14 @@ from pathlib import Path
 
 import torch
 
+from dflash_train.cli.prepare import MAX_BATCH_SIZE
 from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import require_free_output
+from dflash_train.core.outputs import output_lock, require_free_output
+from dflash_train.core.paths import model_source
 from dflash_train.data.dataset import check_data_path, load_conversations
 from dflash_train.data.hs_cache import DTYPES, build_cache, shards_done
-from dflash_train.model.target import build_target_layer_ids, check_tap_layers, load_target, target_dtype
+from dflash_train.model.target import (build_target_layer_ids, check_positions, check_tap_layers, load_target,
+                                       max_positions, target_dtype)
 
 
 def parse_args(argv):
@@ -33,12 +36,16 @@ def parse_args(argv):
                         "auto = bf16 on a GPU that has it, else fp32; bf16 on a CPU with AVX-512 BF16 is ~3x faster")
     p.add_argument("--max-length", type=int, default=256, help="as data.max_length in the recipe")
     p.add_argument("--shard-rows", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8,
+                   help=f"rows per target forward (at most {MAX_BATCH_SIZE})")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     for name in ["shard_rows", "batch_size", "max_length", "num_draft_layers"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batch_size > MAX_BATCH_SIZE:
+        p.error(f"--batch-size must be at most {MAX_BATCH_SIZE} (rows per target forward), got "
+                f"{args.batch_size}")
     if args.device != "auto":
         try:
             device = torch.device(args.device)
@@ -59,10 +66,18 @@ def parse_args(argv):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args)
+
+
+def run(args) -> None:
     out = Path(args.output)
     # A cache of ours is resumed, or kept when complete, without --overwrite (build_cache decides)
-    require_free_output(out, True, "cache", [("--data", args.data), ("--target", args.target)])
+    require_free_output(out, args.overwrite, "cache", [("--data", args.data), ("--target", args.target)],
+                        resumable=True)
     check_data_path(args.data)
+    source = model_source(args.target, "target")
+    check_positions(args.max_length, "--max-length", max_positions(source, args.target_revision), args.target)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           "cpu" if args.device == "auto" else args.device)
     target = load_target(args.target, revision=args.target_revision, device=device,

@@ -14,36 +14,33 @@ and DDTree output equals the AR greedy output token for token. Writes report.jso
 and PNG plots to --output.
 """
 
-import json
 import math
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import torch
-from pydantic import Field
 from tqdm.auto import tqdm
 
 from dflash_train.checkpoint.folders import (check_matches_target, drafter_fingerprint, load_drafter, resolve_folder,
                                              trained_for)
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import require_free_output, write_atomically
+from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
 from dflash_train.core.progress import BAR_INTERVAL
-from dflash_train.core.schema import Open, validated
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.decoding.decode import TREE_SCORES
-from dflash_train.evaluation.costs import measure_costs, widths_for
+from dflash_train.evaluation.costs import measure_costs, read_device_costs, widths_for
 from dflash_train.evaluation.report import write_report
 from dflash_train.evaluation.suites import DEFAULT_SUITE, load_suite
 from dflash_train.evaluation.summary import build_report, hardware_record, scorer_key
-from dflash_train.evaluation.sweep import run_sweep, sweep_order, warm_up
-from dflash_train.model.target import load_target, target_dtype
+from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_order, warm_up
+from dflash_train.model.target import check_positions, config_positions, load_target, target_dtype
+from dflash_train.training.config import MAX_TREE_BUDGET
 
 
 # A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
-# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes the
-# allocator, not the tree, decides; 256 requests already put a 64-node tree at width 16,640.
-MAX_BUDGET = 4096
+# [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes
+# (MAX_TREE_BUDGET, the recipes' bound too) the allocator, not the tree, decides; 256 requests
+# already put a 64-node tree at width 16,640.
 MAX_CONCURRENCY = 256
 
 
@@ -58,9 +55,10 @@ def parse_budgets(text: str) -> list[int]:
         raise UserError(f"--budgets must be comma-separated integers, got '{text}'") from None
     if not budgets or budgets[0] < 0:
         raise UserError(f"--budgets must be non-negative integers, got '{text}'")
-    if budgets[-1] > MAX_BUDGET:
-        raise UserError(f"--budgets {budgets[-1]} is above the limit of {MAX_BUDGET} tree nodes (one verify forward "
-                        f"holds [budget+1, vocab] logits and a [budget+1, context+budget+1] mask)")
+    if budgets[-1] > MAX_TREE_BUDGET:
+        raise UserError(f"--budgets {budgets[-1]} is above the limit of {MAX_TREE_BUDGET} tree nodes (one "
+                        "verify forward holds [budget+1, vocab] logits and a [budget+1, context+budget+1] "
+                        "mask)")
     return [b for b in budgets if b > 0]
 
 
@@ -94,33 +92,6 @@ def resolve_device(text: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return device
-
-
-Ms = Annotated[float, Field(gt=0, allow_inf_nan=False)]  # a measured time: positive and finite
-
-
-class DeviceCosts(Open):
-    """A benchmarks/gpu_costs.py JSON (the fields the predictions read)."""
-    verify_ms_by_width: Annotated[dict[Annotated[int, Field(ge=1)], Ms], Field(min_length=1)]
-    draft_ms: Ms
-    draft_ms_by_batch: dict[Annotated[int, Field(ge=1)], Ms] = {}
-    tree_build_ms_by_budget: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(ge=0, allow_inf_nan=False)]] = {}
-    device: str | None = None
-
-
-def read_device_costs(path: str | None) -> dict | None:
-    """A benchmarks/gpu_costs.py JSON (verify ms by width, draft ms, ... on another device), read
-    once and checked against DeviceCosts before anything loads: a negative, zero or NaN time would
-    otherwise recommend a budget, or crash after the whole eval."""
-    if path is None:
-        return None
-    where = f"--verify-times '{path}' is not a costs JSON from benchmarks/gpu_costs.py"
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{where} ({type(e).__name__})") from None
-    validated(DeviceCosts, data, where)
-    return data
 
 
 def parse_args(argv):
@@ -169,6 +140,11 @@ def parse_args(argv):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args, argv)
+
+
+def run(args, argv) -> None:
     out = Path(args.output)
     require_free_output(out, args.overwrite, "eval", [("--drafter", args.drafter), ("--target", args.target),
                                                       ("--verify-times", args.verify_times)])
@@ -189,6 +165,9 @@ def main(argv=None):
     target = load_target(target_id, revision=args.target_revision or (None if args.target else meta["target"]["revision"]),
                          dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
     check_matches_target(drafter.config, target)
+    positions = config_positions(target.model.config)
+    check_positions(args.max_new_tokens, "--max-new-tokens", positions, target_id)
+    check_prompts_fit(suites, target.tokenizer, positions, target_id)
     drafter.to(device=device, dtype=dtype).eval()
     stops = stop_token_ids(target.model, target.tokenizer)
     B = drafter.config.block_size

@@ -19,10 +19,10 @@ from pathlib import Path
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
-from dflash_train.checkpoint.folders import count_parameters, load_drafter, resolve_folder
+from dflash_train.checkpoint.folders import count_parameters, distilled_steps, load_drafter, resolve_folder
 from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import require_free_output, write_atomically
+from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
 from dflash_train.core.paths import model_source
 from dflash_train.export.card import model_card, pin_text, run_choice
 from dflash_train.export.writer import check_reports, check_verifier, load_verifier, push, read_reports, write_export
@@ -88,6 +88,11 @@ def read_notes(path: str | None) -> str | None:
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args)
+
+
+def run(args) -> None:
     out = Path(args.output)
     inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier), ("--card-notes", args.card_notes),
               *[("--eval-report", r) for r in args.eval_report]]
@@ -121,7 +126,8 @@ def main(argv=None):
     recipe_file = folder / "recipe.yaml"
     recipe_text = recipe_file.read_text() if recipe_file.is_file() else None
     card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
-                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder), notes)
+                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder),
+                      distilled_steps(folder), notes)
 
     write_atomically(out, lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
                                                    recipe_text, reports, args.dtype), "export")

@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from transformers import AutoTokenizer
 
 from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import marker_kind, require_free_output, write_atomically
+from dflash_train.core.outputs import marker_kind, output_lock, require_free_output, write_atomically
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data import regenerate as regen
@@ -42,10 +42,18 @@ from dflash_train.data.chat import (DROP_REASONS, FORMATS, Fields, INFO_FILE, RO
                                     end_of_turn, input_kind, read_conversations, read_rows, split_indices,
                                     template_sha256, to_dataset)
 from dflash_train.data.engine import static_generate
-from dflash_train.model.target import LOAD_ERRORS, first_line, load_target, target_dtype
+from dflash_train.model.target import (LOAD_ERRORS, check_positions, first_line, load_target, max_positions,
+                                       target_dtype)
 
 
 MAX_TEMPERATURE = 2.0  # beyond it a target's samples are close to uniform noise
+# Conversations generated together: a judgement, 256x the default, no memory estimate. The static
+# engine allocates a KV cache of that many rows up front: 1e9 was a traceback after the target had
+# loaded (80 TB asked for the tiny target), leaving a work folder behind.
+MAX_BATCH_SIZE = 4096
+# Defaults lowered to the target's positions when it has fewer (an explicit value past them is refused).
+MAX_LENGTH = 3072  # tokens per conversation (DFlash's)
+MAX_NEW_TOKENS = 2048  # tokens per regenerated answer
 
 
 def parse_args(argv):
@@ -69,8 +77,9 @@ def parse_args(argv):
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=False,
                    help="passed to the chat template as enable_thinking (Qwen3); DFlash drafters are trained "
                         "with thinking off (default)")
-    p.add_argument("--max-length", type=int, default=3072, help="tokens per conversation; longer ones are cut "
-                                                                 "(default 3072, DFlash's)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help=f"tokens per conversation; longer ones are cut (default {MAX_LENGTH}, DFlash's, or "
+                        "the target's max_position_embeddings when fewer)")
     p.add_argument("--min-supervised-tokens", type=int, default=32,
                    help="drop conversations with fewer assistant tokens after cutting (default 32 = 2 x DFlash's "
                         "block size 16, as DFlash drops them)")
@@ -90,11 +99,14 @@ def parse_args(argv):
                    help=f"0 = greedy (default); at most {MAX_TEMPERATURE:g} (hotter samples are noise, not the "
                         "target's text)")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--max-new-tokens", type=int, default=2048, help="per assistant turn")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"per assistant turn (default {MAX_NEW_TOKENS}, or the target's positions when "
+                        "fewer)")
     g.add_argument("--keep-truncated", action="store_true",
                    help="keep answers cut by --max-new-tokens, supervised up to the cut with no end-of-turn token; "
                         "a cut answer ends its conversation (default: drop the conversation)")
-    g.add_argument("--batch-size", type=int, default=16, help="conversations per generate call")
+    g.add_argument("--batch-size", type=int, default=16,
+                   help=f"conversations per generate call (at most {MAX_BATCH_SIZE})")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (transformers backend)")
     g.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="the target's weights while it answers: auto = bf16 on a GPU that has it, else fp32; "
@@ -105,18 +117,31 @@ def parse_args(argv):
     for name in ["val_size", "max_rows", "max_length", "max_new_tokens", "batch_size"]:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.batch_size > MAX_BATCH_SIZE:
+        p.error(f"--batch-size must be at most {MAX_BATCH_SIZE} (conversations generated together), got "
+                f"{args.batch_size}")
     if args.min_supervised_tokens < 0 or not 0 < args.top_p <= 1:
         p.error("--min-supervised-tokens must be >= 0, --top-p in (0, 1]")
     if not 0 <= args.temperature <= MAX_TEMPERATURE:  # refuses nan and inf too
         p.error(f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got {args.temperature}")
-    if args.min_supervised_tokens > args.max_length:
-        p.error(f"--min-supervised-tokens {args.min_supervised_tokens} is more than --max-length {args.max_length}: "
-                "every conversation would be dropped")
     if not 0 <= args.seed < 2**32:
         p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
     if args.backend == "vllm" and args.target_dtype != "auto":
         p.error("--target-dtype applies to the transformers and static backends (vLLM picks its own dtype)")
     return args
+
+
+def fit_positions(args) -> None:
+    """--max-length and --max-new-tokens against the target's positions (read from its config alone):
+    a value given past them is refused, a default is lowered to them."""
+    limit = max_positions(args.target, args.target_revision, args.trust_remote_code)
+    for name, default in [("max_length", MAX_LENGTH), ("max_new_tokens", MAX_NEW_TOKENS)]:
+        if getattr(args, name) is None:
+            setattr(args, name, min(default, limit or default))
+        check_positions(getattr(args, name), f"--{name.replace('_', '-')}", limit, args.target)
+    if args.min_supervised_tokens > args.max_length:
+        raise UserError(f"--min-supervised-tokens {args.min_supervised_tokens} is more than --max-length "
+                        f"{args.max_length}: every conversation would be dropped")
 
 
 def fields_from(args) -> Fields:
@@ -172,6 +197,11 @@ def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
 @cli_guard
 def main(argv=None):
     args = parse_args(argv)
+    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
+        run(args)
+
+
+def run(args) -> None:
     out = Path(args.output)
     inputs = [("--input", args.input), ("--target", args.target)]
     require_free_output(out, args.overwrite, "prepare", inputs)
@@ -179,6 +209,7 @@ def main(argv=None):
     if work is not None:  # ours or absent, before anything is read, written or deleted
         regen.check_work_folder(work, inputs)
     args.input, args.target = resolve_input(args.input), model_source(args.target, "target")
+    fit_positions(args)
     if args.regenerate and args.backend == "vllm":
         regen.import_vllm()  # fail before reading anything
     elif args.backend == "vllm":

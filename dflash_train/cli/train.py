@@ -3,10 +3,12 @@
     accelerate launch dflash_train/train.py --recipe R.yaml output_dir=runs/x max_steps=50
     dflash-train --recipe R.yaml key=value ...                                # same entry
 
-Overrides are dotted keys of the recipe (training/config.py). A bad input is one `error:` line and
-exit code 2; after Ctrl-C one line names the last step done and the step a rerun resumes from.
+Overrides are dotted keys of the recipe (training/config.py), before or after --recipe. A bad input
+is one `error:` line and exit code 2; after Ctrl-C one line names the last step done and the step a
+rerun resumes from.
 """
 
+import argparse
 import signal
 import sys
 
@@ -15,12 +17,25 @@ from dflash_train.training.config import DEFAULT_RECIPE, load_recipe
 from dflash_train.training.trainer import interrupted_line, resolve_recipe_paths, train
 
 
+class Once(argparse.Action):
+    """An option given twice is refused (argparse keeps the last silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest) is not None:
+            parser.error(f"{option_string} is given twice ('{getattr(namespace, self.dest)}', '{values}'): "
+                         "give one recipe, and change its keys with key=value overrides")
+        setattr(namespace, self.dest, values)
+
+
 def parse_args(argv):
     p = OneLineArgumentParser(prog="dflash-train", description="Train a DFlash drafter.",
-                              epilog="Overrides are dotted keys of the recipe, e.g. train.lr=1e-4 max_steps=50.")
-    p.add_argument("--recipe", default=None, help=f"YAML recipe (default {DEFAULT_RECIPE})")
+                              epilog="Overrides are dotted keys of the recipe, e.g. train.lr=1e-4 "
+                                     "max_steps=50, before or after --recipe.")
+    p.add_argument("--recipe", default=None, action=Once, help=f"YAML recipe (default {DEFAULT_RECIPE})")
     p.add_argument("overrides", nargs="*", metavar="key=value")
-    return p.parse_args(argv)
+    # intermixed: `key=value --recipe R key=value` (plain parse_args took the overrides before
+    # --recipe and refused those after it as unrecognized arguments)
+    return p.parse_intermixed_args(argv)
 
 
 @cli_guard

@@ -6,14 +6,17 @@ the kind of folder. `--overwrite` / `overwrite=true` only ever replaces a folder
 and of the same kind; any other non-empty folder is refused. An output is written beside the old
 one (a temporary sibling) and swapped in at the very end, so a failure leaves the old output as it
 was. An output may not be, hold or lie inside one of the command's inputs (core/paths.py finds them).
+One process at a time writes an output (output_lock): a second one is refused on one line.
 """
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_train import __version__
@@ -105,14 +108,106 @@ def check_writable(out: Path, flag: str) -> None:
                         f"({e.strerror or type(e).__name__})") from None
 
 
+LOCK_TRIES = 5  # a lock file removed by its holder as we opened it is opened again, this many times
+
+
+def _make_parents(folder: Path) -> list[Path]:
+    """mkdir -p `folder`, -> the folders made, outermost first (removed again if left empty)."""
+    missing = []
+    while not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    for f in reversed(missing):
+        f.mkdir(exist_ok=True)
+    return missing[::-1]
+
+
+def _remove_empty(made: list[Path]) -> None:
+    for f in reversed(made):
+        try:
+            f.rmdir()
+        except OSError:  # not empty: the output, or someone else's, is in it
+            return
+
+
+def _take_lock(path: Path, out: Path, flag: str) -> int:
+    """flock `path` (made if missing) without waiting -> its fd, with our pid written in it. Held
+    by another process: a UserError naming that process's pid (which it wrote there)."""
+    for _ in range(LOCK_TRIES):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:  # another user's file: flock needs no write access
+            fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pid = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise UserError(f"{flag} '{out}' is in use by another dflash-train process (pid {pid}): wait for "
+                            "it to finish, or write somewhere else") from None
+        try:
+            ours = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            ours = False
+        if ours:
+            try:
+                os.ftruncate(fd, 0)
+                os.write(fd, f"{os.getpid()}\n".encode())
+            except OSError:  # a read-only fd: the lock holds all the same, without a pid to name
+                pass
+            return fd
+        os.close(fd)  # its holder released and removed it while we opened it: lock the new one
+    raise UserError(f"{flag} '{out}': its lock file '{path}' was replaced {LOCK_TRIES} times as it was "
+                    "opened: another process keeps taking and releasing it")
+
+
+@contextmanager
+def output_lock(out: Path, flag: str) -> Iterator[None]:
+    """Hold `out` for this process while the block runs: another dflash-train process on the same
+    output (two runs started together, or one started while this one works) is refused on one line,
+    and this one goes on unharmed. An flock on `.NAME.lock` beside `out` (parents made for it, removed
+    again if left empty): the kernel drops it when a process dies, so a killed run blocks nothing;
+    the file is removed when the lock is released. Beside, not inside: `out` itself is swapped."""
+    given, out = out, Path(os.path.abspath(out))
+    check_folder_path(given, flag)
+    check_writable(given, flag)
+    if not out.name:
+        raise UserError(f"{flag} '{given}' is the root folder: choose a folder to write")
+    made = _make_parents(out.parent)
+    path = out.parent.resolve() / f".{out.name}.lock"  # one file whichever symlinked path names it
+    try:
+        fd = _take_lock(path, given, flag)
+    except BaseException:
+        _remove_empty(made)
+        raise
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still held: a process that opened it meanwhile is refused
+        os.close(fd)
+        _remove_empty(made)
+
+
 def is_empty(out: Path) -> bool:
     return not out.exists() or not any(out.iterdir())
 
 
+def check_cwd_outside(out: Path, flag: str) -> None:
+    """Replacing `out` moves it aside and deletes it: refused when it holds the current folder (the
+    user's shell would be left in a deleted folder). `out` being the current folder itself is fine:
+    it keeps its place and its entries are moved (move_aside)."""
+    cwd, target = Path.cwd().resolve(), Path(out).resolve()
+    if cwd != target and cwd.is_relative_to(target):
+        raise UserError(f"{flag} '{out}' holds the current folder '{cwd}': replacing it would delete the "
+                        "folder you are in; run the command from outside it")
+
+
 def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
-                        flag: str = "--output") -> None:
+                        flag: str = "--output", resumable: bool = False) -> None:
     """Before any work: `out` is absent or empty, or (with --overwrite) an output of this kind that
-    this toolkit wrote; it is not one of the inputs, nor inside one, nor around one."""
+    this toolkit wrote, not holding the current folder; it is not one of the inputs, nor inside one,
+    nor around one. `resumable`: an output of this kind is also taken without --overwrite (the
+    command resumes or keeps it: dflash-cache)."""
     out = Path(out)
     check_folder_path(out, flag)
     refuse_overlap(out, inputs, flag)
@@ -125,8 +220,10 @@ def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
                         "choose another folder, or empty it yourself")
     if found != kind:
         raise UserError(f"{flag} '{out}' holds {KINDS.get(found, found)}, not {KINDS[kind]}: choose another folder")
-    if not overwrite:
+    if not overwrite and not resumable:
         raise UserError(f"{flag} '{out}' is not empty: it holds {KINDS[kind]} (pass --overwrite to replace it)")
+    if overwrite:
+        check_cwd_outside(out, flag)
 
 
 def sibling(out: Path, tag: str) -> Path:
@@ -144,6 +241,20 @@ def match_umask(path: Path) -> None:
             os.chmod(f, 0o666 & ~UMASK)
 
 
+def move_aside(out: Path) -> Path:
+    """Move the folder at `out` out of the way of a new output -> where it went (a hidden sibling, for
+    the caller to delete once the new output is in). The current folder (`--output .`) keeps its
+    place, since the user's shell is in it: its entries move instead."""
+    old = sibling(out, "old")
+    if os.path.samefile(out, os.getcwd()):
+        old.mkdir()
+        for entry in list(Path(out).iterdir()):
+            os.replace(entry, old / entry.name)
+    else:
+        os.replace(out, old)
+    return old
+
+
 def replace_folder(new: Path, out: Path) -> None:
     """Swap `new` in at `out`. An old `out` is moved aside first and deleted after the swap. An empty
     `out`, or the current folder (`--output .`, which must not be renamed: the user's shell is in it),
@@ -154,19 +265,14 @@ def replace_folder(new: Path, out: Path) -> None:
         os.replace(new, out)
         return
     if out.is_dir() and (not any(out.iterdir()) or os.path.samefile(out, os.getcwd())):
-        old = sibling(out, "old") if any(out.iterdir()) else None
-        if old is not None:
-            old.mkdir()
-            for entry in list(out.iterdir()):
-                os.replace(entry, old / entry.name)
+        old = move_aside(out) if any(out.iterdir()) else None
         for entry in sorted(new.iterdir(), key=lambda p: p.name != MARKER):
             os.replace(entry, out / entry.name)
         new.rmdir()
         if old is not None:
             shutil.rmtree(old)
         return
-    old = sibling(out, "old")
-    os.replace(out, old)
+    old = move_aside(out)
     os.replace(new, out)
     shutil.rmtree(old)
 

@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from dflash_train.core.errors import UserError
-from dflash_train.core.outputs import file_sha256, match_umask, sibling, write_marker
+from dflash_train.core.outputs import file_sha256, match_umask, move_aside, write_marker
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.core.schema import read_json
 from dflash_train.model.target import Target, check_tap_layers, resolve_pin, target_forward
@@ -158,8 +158,7 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
             raise UserError(f"'{out}' holds a {'complete' if (out / MANIFEST).exists() else 'partial'} cache for other "
                             f"settings ({', '.join(differ)} differ): pass --overwrite to replace it")
         if overwrite:
-            old = sibling(out, "old")
-            os.replace(out, old)
+            old = move_aside(out)  # `--output .`: the current folder stays, emptied
     out.mkdir(parents=True, exist_ok=True)
     write_marker(out, "cache")
     if old is not None:

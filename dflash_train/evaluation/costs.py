@@ -15,13 +15,23 @@ longer context is linear in width: speed.Curves).
 Each round times every width and batch once, in an order rotated from round to round (as the
 eval's sweep rotates methods), so a change in machine load lands on all of them alike; medians
 over rounds are taken by the caller.
+
+A costs JSON from benchmarks/gpu_costs.py (`dflash-eval --verify-times`, another device's costs) is
+read by read_device_costs and checked against DeviceCosts: every time finite and at least MIN_MS,
+and more work never measured much cheaper than less (MAX_DROP).
 """
 
+import json
 import time
+from pathlib import Path
+from typing import Annotated
 
 import torch
+from pydantic import Field, model_validator
 from transformers import DynamicCache
 
+from dflash_train.core.errors import UserError
+from dflash_train.core.schema import Open, validated
 from dflash_train.decoding.ddtree import build_tree, root_only_tree
 from dflash_train.decoding.decode import choose, verify
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
@@ -31,6 +41,85 @@ VERIFY_WIDTHS = [2**k for k in range(11)]  # 1 .. 1024 tokens per verify forward
 CONTEXT_WIDTHS = [1, 32, 1024]  # widths measured at each longer context (up to the widest: see speed.Curves.extrapolated)
 ROUNDS = 10  # timed rounds (each times every width and batch once)
 WARMUP = 2   # untimed rounds first (allocator, kernel selection)
+
+
+# A time below 1 microsecond is no measurement: a CUDA kernel launch alone takes several, and each
+# host step gpu_costs.py times (a tree build, a chain walk) is a Python loop. Such a file is in
+# other units (seconds), or made up.
+MIN_MS = 1e-3
+# More work costs at least as much: a wider verify forward, more requests drafted together, a
+# longer context. Measured times are noisy, so only a drop of more than MAX_DROP is refused:
+# gpu_costs.py --tiny on a 2-core CPU under load (11 runs, medians of 20) measured a wider verify
+# up to 20% cheaper than a narrower one (width 2: 3.44 ms after width 1: 4.28 ms) and a longer
+# context up to 11% cheaper; a third leaves room above that, and catches a file whose widths were
+# swapped, whose units or devices were mixed, or whose numbers were typed in.
+MAX_DROP = 1 / 3
+
+Ms = Annotated[float, Field(ge=MIN_MS, allow_inf_nan=False)]  # a measured time in ms
+Size = Annotated[int, Field(ge=1)]  # a width, a batch or a context
+Budget = Annotated[int, Field(ge=0)]
+
+
+def check_rising(ms_by: dict[int, float], field: str, unit: str) -> None:
+    """Times by growing work (width, batch, context): none more than MAX_DROP under the largest
+    before it, else a ValueError naming both."""
+    top = None
+    for n in sorted(ms_by):
+        if top is not None and ms_by[n] < (1 - MAX_DROP) * ms_by[top]:
+            raise ValueError(f"{field}: {unit} {n} is measured at {ms_by[n]:g} ms, more than {MAX_DROP:.0%} "
+                             f"below {unit} {top} ({ms_by[top]:g} ms): more work cannot cost that much less "
+                             "(mixed units or devices, or swapped entries?)")
+        if top is None or ms_by[n] > ms_by[top]:
+            top = n
+
+
+class DeviceCosts(Open):
+    """A benchmarks/gpu_costs.py JSON: the fields dflash-eval's predictions read."""
+    verify_ms_by_width: Annotated[dict[Size, Ms], Field(min_length=1)]
+    draft_ms: Ms
+    draft_ms_by_batch: dict[Size, Ms] = {}
+    tree_build_ms_by_budget: dict[Budget, Ms] = {}
+    tree_build_ms_by_scores: dict[str, dict[Budget, Ms]] = {}
+    chain_walk_ms_by_scores: dict[str, Ms] = {}
+    context: Size | None = None  # tokens in the cache behind verify_ms_by_width
+    verify_ms_by_context: dict[Size, Annotated[dict[Size, Ms], Field(min_length=1)]] = {}
+    device: str | None = None
+
+    @model_validator(mode="after")
+    def _more_work_costs_more(self):
+        check_rising(self.verify_ms_by_width, "verify_ms_by_width", "width")
+        check_rising(self.draft_ms_by_batch, "draft_ms_by_batch", "batch")
+        if not self.verify_ms_by_context:
+            return self
+        if self.context is None:
+            raise ValueError("verify_ms_by_context needs 'context' (the tokens behind verify_ms_by_width)")
+        for t, row in self.verify_ms_by_context.items():
+            if t <= self.context:
+                raise ValueError(f"verify_ms_by_context: context {t} is not longer than 'context' "
+                                 f"({self.context})")
+            check_rising(row, f"verify_ms_by_context.{t}", "width")
+        rows = {self.context: self.verify_ms_by_width, **self.verify_ms_by_context}
+        widths = set.intersection(*(set(row) for row in self.verify_ms_by_context.values()))
+        if not widths:
+            raise ValueError("verify_ms_by_context: its contexts share no width")
+        for w in sorted(widths):
+            check_rising({t: row[w] for t, row in rows.items() if w in row}, f"width {w}", "context")
+        return self
+
+
+def read_device_costs(path: str | None) -> dict | None:
+    """A benchmarks/gpu_costs.py JSON (verify ms by width, draft ms, ... on another device), read
+    once and checked against DeviceCosts before anything loads: a negative, zero, NaN or
+    nonsensical time would otherwise recommend a budget, or crash after the whole eval."""
+    if path is None:
+        return None
+    where = f"--verify-times '{path}' is not a costs JSON from benchmarks/gpu_costs.py"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where} ({type(e).__name__})") from None
+    validated(DeviceCosts, data, where)
+    return data
 
 
 def _sync(device: torch.device) -> None:

@@ -132,6 +132,22 @@ def _prediction_table(rows: list[dict], key: str, levels: list[int]) -> list[str
     return lines
 
 
+def _distilled_text(trained: dict) -> str:
+    """Tree distillation as the run's metrics counted it (checkpoint/folders.distilled_steps):
+    "tree-distilled" only when some step distilled; a recipe alone says what was asked."""
+    td, n = trained.get("tree_distill"), trained.get("distilled")
+    if not td:
+        return ""
+    how = (f"{td['anchors']} blocks' {td['budget']}-node trees every {td['every']} step(s), "
+           f"weight {td['weight']}")
+    if n is None:
+        return f"; its recipe asks for tree distillation ({how}), how many steps distilled is not recorded"
+    if not n["distilled"]:
+        return (f"; its recipe asks for tree distillation ({how}), but not one of its "
+                f"{plural(n['steps'], 'step')} distilled")
+    return f", tree-distilled on {n['distilled']} of {plural(n['steps'], 'step')} ({how})"
+
+
 def markdown(report: dict) -> str:
     hw = report["hardware"]
     levels = report["concurrency"]
@@ -144,11 +160,9 @@ def markdown(report: dict) -> str:
              + (f"; weights in {hw['dtype']}" if hw.get("dtype") else "") + ".", ""]
     trained = report.get("trained_for") or {}
     if trained.get("deploy_budget") or trained.get("tree_distill"):
-        td = trained.get("tree_distill")
         lines[-1:-1] = ["Drafter trained" + (f" and chosen for DDTree budget {trained['deploy_budget']}"
                                              if trained.get("deploy_budget") else "")
-                        + (f", tree-distilled ({td['anchors']} blocks' {td['budget']}-node trees every {td['every']} "
-                           f"step(s), weight {td['weight']})" if td else "") + "."]
+                        + _distilled_text(trained) + "."]
     extrapolated = False
     for suite, adv in report["advice"].items():
         rows = [r for r in report["results"] if r["suite"] == suite]

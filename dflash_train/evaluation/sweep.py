@@ -11,6 +11,7 @@ import torch
 
 from dflash_train.decoding.ddtree import add_cells
 from dflash_train.decoding.decode import STAGES, decode
+from dflash_train.core.errors import UserError
 from dflash_train.evaluation.suites import Prompt
 
 
@@ -89,6 +90,30 @@ def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, 
         for s in STAGES:
             sample.stage_s[s] += r.stage_s[s]
     return sample
+
+
+def least_context(tok, prompt: Prompt) -> int:
+    """Tokens the target reads before its last reply if every earlier reply were empty: the fewest
+    positions the prompt needs whatever the target answers."""
+    messages = [{"role": "system", "content": prompt.system}] if prompt.system else []
+    for i, turn in enumerate(prompt.turns):
+        messages += [{"role": "user", "content": turn}] + [{"role": "assistant", "content": ""}] * (
+            i < len(prompt.turns) - 1)
+    return len(tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+def check_prompts_fit(suites: list[tuple[str, list[Prompt]]], tok, limit: int | None, target: str) -> None:
+    """Every prompt leaves the target a position for its reply: past max_position_embeddings the
+    target's RoPE runs on untrained angles and transformers only warns (of the tokenizer's length)."""
+    if limit is None:
+        return
+    for name, prompts in suites:
+        for i, prompt in enumerate(prompts, 1):
+            n = least_context(tok, prompt)
+            if n >= limit:
+                raise UserError(f"suite '{name}' prompt {i} is {n} tokens (its turns as the chat template "
+                                f"renders them), leaving no room for a reply within the {limit} positions of "
+                                f"target '{target}' (max_position_embeddings): drop or shorten the prompt")
 
 
 def run_sweep(target, drafter, suites: list[list[Prompt]], order: list[tuple], args, stops, bar) -> list[Sample]:

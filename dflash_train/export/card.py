@@ -109,14 +109,30 @@ def run_choice(folder: Path) -> dict | None:
     return None
 
 
-def choice_text(r: dict, choice: dict | None) -> str:
+def distill_text(td: dict, distilled: dict | None) -> str:
+    """What tree distillation did: "trained for its tree" only when the run's metrics count distilled
+    steps (folders.distilled_steps); a recipe alone says what was asked, not what happened."""
+    how = (f"every {td['every']} step(s), {td['anchors']} blocks' own {td['budget']}-node trees labelled by "
+           "one verifier forward (ancestor-only mask), the conditional head's scores at every node pulled "
+           f"toward the verifier's (KL, weight {td['weight']})")
+    if distilled is None:
+        return (f"Its recipe asks for tree distillation ({how}), but the training run's metrics.jsonl is not "
+                "beside this drafter, so how many steps distilled is not known: it is not claimed as trained "
+                "for its tree.")
+    steps = plural(distilled["steps"], "step")
+    if not distilled["distilled"]:
+        return (f"Not trained for its tree: its recipe asks for tree distillation ({how}), but not one of "
+                f"its {steps} distilled a tree (metrics.jsonl).")
+    return (f"Trained for its tree: {distilled['distilled']} of its {steps} distilled trees (metrics.jsonl), "
+            f"{how}.")
+
+
+def choice_text(r: dict, choice: dict | None, distilled: dict | None = None) -> str:
     """The budget the drafter was trained and chosen for, and its tree distillation, for the card."""
     lines, trained = [], recipe_trained_for(r)
     td, budget = trained["tree_distill"], trained["deploy_budget"]
     if td:
-        lines.append(f"Trained for its tree: every {td['every']} step(s), {td['anchors']} blocks' own {td['budget']}-node "
-                     f"trees were labelled by one verifier forward (ancestor-only mask) and the conditional head's "
-                     f"scores at every node pulled toward the verifier's (KL, weight {td['weight']}).")
+        lines.append(distill_text(td, distilled))
     if (r.get("model") or {}).get("markov_w1_embed"):
         lines.append("The Markov head's W1 was trained as a table plus the verifier's input embedding times a learned "
                      "[H, r] map, folded into the table every step (model.markov_w1_embed), so tokens seldom seen "
@@ -133,11 +149,12 @@ def choice_text(r: dict, choice: dict | None) -> str:
     return "\n".join(lines)
 
 
-def training_section(recipe_text: str | None, fmt: str, choice: dict | None = None) -> str:
+def training_section(recipe_text: str | None, fmt: str, choice: dict | None = None,
+                     distilled: dict | None = None) -> str:
     if recipe_text is None:
         return f"Training recipe not recorded (this drafter was imported from a {fmt} checkpoint)."
     r = yaml.safe_load(recipe_text)
-    m, d, t, loss, chosen = r["model"], r["data"], r["train"], r["loss"], choice_text(r, choice)
+    m, d, t, loss, chosen = r["model"], r["data"], r["train"], r["loss"], choice_text(r, choice, distilled)
     return "\n".join([
         f"Trained with dflash-train against `{m['target']}` for **{r['max_steps']} steps** "
         f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
@@ -156,7 +173,7 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
 
 def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
                reports: list[dict], source_format: str, serve_ref: str, license_id: str,
-               choice: dict | None = None, notes: str | None = None) -> ModelCard:
+               choice: dict | None = None, distilled: dict | None = None, notes: str | None = None) -> ModelCard:
     hub_verifier = pin["name_or_path"] if HUB_ID.match(pin["name_or_path"] or "") and not Path(
         pin["name_or_path"]).exists() else None
     datasets = []
@@ -211,7 +228,8 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
         block_size=cfg.block_size, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
         taps=cfg.target_layer_ids, aux_ids=[k + 1 for k in cfg.target_layer_ids], mask_token=f"`{mask_token}`",
-        mask_token_id=cfg.mask_token_id, params=f"{params:,}", training=training_section(recipe_text, source_format, choice),
+        mask_token_id=cfg.mask_token_id, params=f"{params:,}",
+        training=training_section(recipe_text, source_format, choice, distilled),
         acceptance=acceptance_section(reports), validated_on=validated_on_section(reports),
         vllm_command=vllm, budget_text=budget_section(reports), extra_limitations=extra,
         draft_vocab=draft_vocab_text(cfg), notes=(notes or "").strip())

@@ -18,7 +18,7 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from dflash_train.core.errors import UserError
@@ -128,6 +128,33 @@ def load_target(name_or_path: str, *, revision: str | None = None, dtype: torch.
         raise UserError(f"target '{name_or_path}': its weights do not match its config.json: {detail}")
     model.to(device).eval().requires_grad_(False)
     return Target(model, tokenizer, source, revision)
+
+
+def max_positions(source: str, revision: str | None = None, trust_remote_code: bool = False) -> int | None:
+    """The target's max_position_embeddings, read from its config alone (no weights: a bound is
+    checked before a multi-GB load). None for a local folder with no config.json (dflash-prepare
+    takes a tokenizer-only folder) or a config that names no limit."""
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        return None
+    try:
+        config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+    except LOAD_ERRORS as e:
+        raise UserError(f"cannot load the config of target '{source}': {first_line(e)}") from e
+    return config_positions(config)
+
+
+def config_positions(config) -> int | None:
+    # the text model's limit (a multimodal config nests it); an architecture may name none
+    return getattr(config.get_text_config(), "max_position_embeddings", None)
+
+
+def check_positions(n: int, what: str, limit: int | None, target: str) -> None:
+    """`n` tokens (a length, the new tokens of one reply) fit in the target's positions: past its
+    max_position_embeddings its RoPE runs on angles it was never trained on (transformers only
+    warns, or says nothing), so the states and answers there are not the target's."""
+    if limit is not None and n > limit:
+        raise UserError(f"{what} {n} is past the {limit} positions of target '{target}' (its "
+                        f"max_position_embeddings): give at most {limit}")
 
 
 def taps_from_hidden_states(hidden_states: tuple[torch.Tensor, ...], layer_ids: list[int]) -> torch.Tensor:

@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -48,14 +49,15 @@ from transformers import get_cosine_schedule_with_warmup
 from dflash_train.checkpoint.folders import (check_resumable, count_parameters, load_checkpoint, newest_checkpoint,
                                              save_drafter, write_checkpoint)
 from dflash_train.core.errors import UserError
-from dflash_train.core.outputs import (KINDS, MARKER, check_folder_path, check_writable, is_empty, marker_kind,
-                                       refuse_overlap, sibling, write_marker)
+from dflash_train.core.outputs import (KINDS, MARKER, check_cwd_outside, check_folder_path, check_writable,
+                                       is_empty, marker_kind, move_aside, output_lock, refuse_overlap,
+                                       write_marker)
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data.dataset import check_data_path, collate, load_conversations
 from dflash_train.data.hs_cache import check_complete, open_cache
 from dflash_train.model.loss import acceptance_counts, acceptance_metrics, dflash_loss, exp_weights, loss_divisor
-from dflash_train.model.target import load_target, native_bf16
+from dflash_train.model.target import check_positions, load_target, max_positions, native_bf16
 from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_loss
 from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, confidence_loss
 from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts,
@@ -264,9 +266,12 @@ def check_heads_engine(variant: str, engine: str, accelerator) -> None:
 def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
     """Local inputs -> absolute paths (from the current folder, else the checkout: the bundled target
     and data), checked to be there before anything is loaded; Hub ids stay ids. The recipe saved
-    with the drafter then names its target and data from any folder."""
+    with the drafter then names its target and data from any folder. data.max_length is checked
+    against the target's positions (its config only) before its weights load."""
     m, d = cfg.model, cfg.data
     m.target = model_source(m.target, "model.target")
+    check_positions(d.max_length, "data.max_length",
+                    max_positions(m.target, m.target_revision, m.trust_remote_code), m.target)
     if m.init_from is not None:
         m.init_from = model_source(m.init_from, "model.init_from")
     d.train, d.val = resolve_input(d.train), resolve_input(d.val)
@@ -317,12 +322,14 @@ def plan_output_dir(cfg: RunConfig) -> OutputPlan:
         if kind is None:
             raise UserError(f"output_dir '{out}' has no {MARKER} (written before dflash-train marked its runs), so "
                             "overwrite=true will not delete it: delete it yourself, or choose another output_dir")
+        check_cwd_outside(out, "output_dir")
         return OutputPlan(None, True, f"overwrite=true: the run in '{out}' ({what}) is deleted once the new run "
                                       "is set up")
     if (out / "summary.json").is_file():
         raise UserError(f"output_dir '{out}' holds a finished run: overwrite=true deletes it ({what}), "
                         "or choose another output_dir")
     if newest is None:
+        check_cwd_outside(out, "output_dir")
         return OutputPlan(None, True, f"output_dir '{out}' holds a run stopped before its first checkpoint "
                                       f"({what}): starting it again")
     try:
@@ -342,9 +349,7 @@ def open_output_dir(out: Path, plan: OutputPlan, accelerator) -> None:
     then delete the earlier run."""
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
-        old = sibling(out, "old") if plan.replace else None
-        if old is not None:
-            os.replace(out, old)
+        old = move_aside(out) if plan.replace else None  # output_dir=.: the current folder stays, emptied
         out.mkdir(parents=True, exist_ok=True)
         write_marker(out, "train")
         if old is not None:
@@ -452,6 +457,16 @@ class Run:
 
 
 def train(cfg: RunConfig) -> None:
+    """Train with output_dir held (core/outputs.output_lock): a second training started on it is
+    refused on one line. Under a launcher the launch's first process (global rank 0) holds it for
+    all: refused, it exits 2 and the launcher stops the others, which have written nothing yet
+    (output_dir is opened only once every process has loaded and checked its inputs)."""
+    first = os.environ.get("RANK", "0") == "0"
+    with output_lock(Path(cfg.output_dir), "output_dir") if first else nullcontext():
+        run_training(cfg)
+
+
+def run_training(cfg: RunConfig) -> None:
     plan = plan_output_dir(cfg)  # before anything is loaded: a refusal costs nothing
     run = setup(cfg, plan)
     metrics_file = open_metrics(run)

@@ -58,8 +58,8 @@ def inputs(fresh_drafter_dir, tmp_path_factory):
     good = fake_report(drafter_fingerprint(load_drafter(fresh_drafter_dir)[0]))
     no_suite = json.loads(json.dumps(good))
     del no_suite["results"][0]["suite"]
-    costs_file = lambda name, ms: (d / name).write_text(  # noqa: E731
-        json.dumps({"verify_ms_by_width": {"1": ms, "64": 2.0}, "draft_ms": 1.0})) and d / name
+    costs_file = lambda name, ms, **more: (d / name).write_text(  # noqa: E731
+        json.dumps({"verify_ms_by_width": {"1": ms, "64": 2.0}, "draft_ms": 1.0, **more})) and d / name
     return {
         "drafter": fresh_drafter_dir,
         "bogus_variant": drafter_with(fresh_drafter_dir, d / "bogus", bogus),
@@ -72,12 +72,26 @@ def inputs(fresh_drafter_dir, tmp_path_factory):
         "negative_costs": costs_file("negative.json", -5.0),
         "zero_costs": costs_file("zero.json", 0.0),
         "nan_costs": costs_file("nan.json", math.nan),
+        "inf_costs": costs_file("inf.json", math.inf),
+        "near_zero_costs": costs_file("near_zero.json", 1e-4),  # 0.1 microsecond: seconds taken for ms?
+        "falling_costs": costs_file("falling.json", 10.0),  # width 64 at 2 ms after width 1 at 10 ms
+        "falling_batch_costs": costs_file("falling_batch.json", 1.5, draft_ms_by_batch={"1": 1.0, "16": 0.5}),
+        "context_without_base": costs_file("no_context.json", 1.5, verify_ms_by_context={"2048": {"1": 3.0}}),
+        "falling_context_costs": costs_file("falling_context.json", 1.5, context=512,
+                                            verify_ms_by_context={"2048": {"1": 0.9, "64": 2.5}}),
+        "nan_context_costs": costs_file("nan_context.json", 1.5, context=512,
+                                        verify_ms_by_context={"2048": {"1": 2.0, "64": math.nan}}),
         "no_advice": (d / "no_advice.json").write_text(json.dumps({k: v for k, v in good.items() if k != "advice"}))
         and d / "no_advice.json",
         "no_suite": (d / "no_suite.json").write_text(json.dumps(no_suite)) and d / "no_suite.json",
     }
 
 
+def costs_argv(inputs, name):
+    return ["--drafter", inputs["drafter"], "--verify-times", inputs[name]]
+
+
+NOT_BELOW_1US = "field 'verify_ms_by_width.1': Input should be greater than or equal to 0.001"
 # case -> (argv without --output, given the inputs; the error line's fragment)
 EVAL_CASES = {
     "unknown_variant": (lambda i: ["--drafter", i["bogus_variant"]], "field 'drafter.variant'"),
@@ -91,12 +105,24 @@ EVAL_CASES = {
     "empty_suite": (lambda i: ["--drafter", i["drafter"], "--suite", i["empty"]], "is empty"),
     "tinychat_file_without_messages": (lambda i: ["--drafter", i["drafter"], "--suite", f"tinychat={i['no_messages']}"],
                                        "row 1: field 'messages' is missing"),
-    "negative_verify_times": (lambda i: ["--drafter", i["drafter"], "--verify-times", i["negative_costs"]],
-                              "field 'verify_ms_by_width.1': Input should be greater than 0"),
-    "zero_verify_times": (lambda i: ["--drafter", i["drafter"], "--verify-times", i["zero_costs"]],
-                          "field 'verify_ms_by_width.1': Input should be greater than 0"),
-    "nan_verify_times": (lambda i: ["--drafter", i["drafter"], "--verify-times", i["nan_costs"]],
+    "negative_verify_times": (lambda i: costs_argv(i, "negative_costs"), NOT_BELOW_1US),
+    "zero_verify_times": (lambda i: costs_argv(i, "zero_costs"), NOT_BELOW_1US),
+    "near_zero_verify_times": (lambda i: costs_argv(i, "near_zero_costs"), NOT_BELOW_1US),
+    "nan_verify_times": (lambda i: costs_argv(i, "nan_costs"),
                          "field 'verify_ms_by_width.1': Input should be a finite number"),
+    "inf_verify_times": (lambda i: costs_argv(i, "inf_costs"),
+                         "field 'verify_ms_by_width.1': Input should be a finite number"),
+    "verify_falling_with_width": (lambda i: costs_argv(i, "falling_costs"),
+                                  "verify_ms_by_width: width 64 is measured at 2 ms, more than 33% below width 1 "
+                                  "(10 ms): more work cannot cost that much less"),
+    "draft_falling_with_batch": (lambda i: costs_argv(i, "falling_batch_costs"),
+                                 "draft_ms_by_batch: batch 16 is measured at 0.5 ms, more than 33% below batch 1"),
+    "context_axis_without_context": (lambda i: costs_argv(i, "context_without_base"),
+                                     "verify_ms_by_context needs 'context'"),
+    "verify_falling_with_context": (lambda i: costs_argv(i, "falling_context_costs"),
+                                    "width 1: context 2048 is measured at 0.9 ms, more than 33% below context 512"),
+    "nan_context_verify_times": (lambda i: costs_argv(i, "nan_context_costs"),
+                                 "field 'verify_ms_by_context.2048.64': Input should be a finite number"),
     "huge_budget": (lambda i: ["--drafter", i["drafter"], "--budgets", "4,100000"],
                     "--budgets 100000 is above the limit of 4096"),
     "huge_concurrency": (lambda i: ["--drafter", i["drafter"], "--concurrency", "1,100000"],
@@ -252,3 +278,41 @@ def test_every_drafter_format_is_checked(fresh_drafter_dir, tmp_path):
         (folder / "config.json").write_text(json.dumps(config))
         with pytest.raises(UserError, match=f"config '{folder / 'config.json'}'.*{message.replace('(', '.')}"):
             read_config(folder)
+
+
+def test_costs_files_that_make_sense_are_read(tmp_path):
+    """The refusals above leave alone what gpu_costs.py measures: a flat curve up to a width, then
+    rising; a drop within the noise measured on a loaded CPU (width 2 at 0.80x width 1); a context
+    axis above its base; times down to 1 microsecond."""
+    path = tmp_path / "costs.json"
+    good = {"device": "GPU", "context": 512, "draft_ms": 0.001,
+            "verify_ms_by_width": {"1": 4.28, "2": 3.44, "4": 3.58, "64": 4.9, "1024": 59.0},
+            "draft_ms_by_batch": {"1": 1.0, "4": 0.9, "64": 8.2},
+            "tree_build_ms_by_budget": {"16": 0.2, "64": 0.6},
+            "verify_ms_by_context": {"2048": {"1": 3.8, "1024": 116.7}, "8192": {"1": 4.5, "1024": 250.0}},
+            "tree_build_ms_by_scores": {"dflash2": {"16": 0.8}}, "chain_walk_ms_by_scores": {"dflash2": 0.1}}
+    path.write_text(json.dumps(good))
+    assert costs.read_device_costs(str(path)) == good
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--max-new-tokens", "600"], "--max-new-tokens 600 is past the 512 positions of target"),
+    (["--suite", "LONG", "--max-new-tokens", "4"], "suite 'long' prompt 2 is "),
+])
+def test_eval_refuses_what_the_targets_positions_cannot_hold(extra, fragment, fresh_drafter_dir, tmp_path):
+    """Past max_position_embeddings transformers only warned (of the tokenizer's length) and decoded
+    on: a prompt leaving no position for its reply (named by suite and number; here its two turns
+    together, the first fits) and a --max-new-tokens past them are one line before the sweep, with
+    an earlier report kept."""
+    long = write_jsonl(tmp_path / "long.jsonl", [
+        {"messages": [{"role": "user", "content": "Hi!"}]},
+        {"messages": [{"role": "user", "content": "hello " * 100}, {"role": "assistant", "content": "ok"},
+                      {"role": "user", "content": "and again " * 100}]}])
+    out = kept_output(tmp_path, "eval")
+    extra = [str(long) if a == "LONG" else a for a in extra]
+    argv = ["--drafter", fresh_drafter_dir, *extra, "--output", out, "--overwrite", "--limit", "4"]
+    code, _, stderr = run_main(dflash_eval.main, argv)
+    check_refused(code, stderr, fragment, out, tmp_path)
+    if "--suite" in extra:
+        assert "(its turns as the chat template renders them), leaving no room for a reply" in \
+            error_line(stderr)

@@ -200,11 +200,28 @@ def test_a_line_cut_by_an_interruption_is_answered_again(tmp_path, capsys, monke
     (["--seed", str(2**64)], "--seed must be from 0 to 2**32 - 1"),
     (["--max-length", "16", "--min-supervised-tokens", "17"], "every conversation would be dropped"),
     (["--backend", "vllm", "--target-dtype", "fp32"], "--target-dtype applies to the transformers and static"),
+    (["--batch-size", "5000"], "--batch-size must be at most 4096 (conversations generated together), got "
+                               "5000"),
+    (["--max-length", "513"], f"--max-length 513 is past the 512 positions of target '{TINY_TARGET}' (its "
+                              "max_position_embeddings): give at most 512"),
+    (["--max-new-tokens", "100000"], "--max-new-tokens 100000 is past the 512 positions of target"),
+    (["--min-supervised-tokens", "600"], "--min-supervised-tokens 600 is more than --max-length 512"),
 ])
 def test_numeric_options_out_of_range_are_one_line(tmp_path, capsys, extra, says):
     out = tmp_path / "out"
     line = refused(capsys, argv(rows(tmp_path / "in.jsonl"), out, *extra))
     assert says in line and not out.exists() and not (tmp_path / "out.work").exists()
+
+
+def test_default_lengths_are_lowered_to_the_targets_positions(tmp_path):
+    """--max-length (3072) and --max-new-tokens (2048) by default: the tiny target has 512 positions."""
+    out = tmp_path / "out"
+    given = ["--input", str(rows(tmp_path / "in.jsonl")), "--format", "messages", "--target", TINY_TARGET]
+    prepare.main([*map(str, given), "--output", str(out), "--min-supervised-tokens", "1"])
+    assert json.loads((out / "prepare_info.json").read_text())["max_length"] == 512
+    args = prepare.parse_args([*map(str, given), "--output", "o"])
+    prepare.fit_positions(args)
+    assert (args.max_length, args.max_new_tokens) == (512, 512)
 
 
 def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(tmp_path, capsys, monkeypatch):

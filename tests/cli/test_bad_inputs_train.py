@@ -152,6 +152,23 @@ def selector_rank(tmp, small_data, cache, finished):
         "model.selector_rank 1000000000 exceeds the target's vocabulary"
 
 
+def max_length_past_positions(tmp, small_data, cache, finished):
+    return train_main, quick(tmp / "new", small_data, "data.max_length=1000"), \
+        "data.max_length 1000 is past the 512 positions of target"
+
+
+def cache_max_length_past_positions(tmp, small_data, cache, finished):
+    return hs_cli.main, ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET),
+                         "--output", str(tmp / "c"), "--max-length", "513"], \
+        f"--max-length 513 is past the 512 positions of target '{TINY_TARGET}' (its max_position_embeddings)"
+
+
+def cache_batch_size(tmp, small_data, cache, finished):
+    return hs_cli.main, ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET),
+                         "--output", str(tmp / "c"), "--batch-size", "5000"], \
+        "--batch-size must be at most 4096"
+
+
 def cache_device(tmp, small_data, cache, finished):
     return hs_cli.main, ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET),
                      "--output", str(tmp / "c"), "--device", "bogus"], "--device 'bogus' is not a device"
@@ -164,7 +181,8 @@ def cache_taps(tmp, small_data, cache, finished):
 
 CASES = [deleted_shard_overwrite, deleted_shard_new_run, truncated_shard, corrupted_shard, truncated_manifest,
          manifest_field, resume_state_field, resume_marker_field, infinite_weight, markov_rank, selector_rank,
-         cache_device, cache_taps]
+         cache_device, cache_taps, max_length_past_positions, cache_max_length_past_positions,
+         cache_batch_size]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
@@ -214,3 +232,29 @@ def test_a_copy_beside_a_checkpoint_is_not_a_checkpoint(tmp_path, small_data, fi
     train_main(quick(run, small_data, "checkpoint_every=1"))
     assert f"resuming from {run / 'checkpoints' / 'step_000001'}" in capsys.readouterr().out
     assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 1
+
+
+def test_overrides_on_both_sides_of_the_recipe(tmp_path, small_data, capsys):
+    """Issue 30: `dflash-train key=val --recipe R key2=val2` was refused (argparse took the overrides
+    before --recipe and called those after it unrecognized). Both sides are overrides now, applied in
+    command-line order (a key given twice: the later one, as before); --recipe twice is one line
+    instead of the last recipe replacing the first silently."""
+    from dflash_train.cli.train import parse_args
+    from dflash_train.training.config import load_recipe
+
+    recipe = str(ROOT / "recipes" / "tiny.yaml")
+    overrides = ["max_steps=7", "train.lr=1e-4", "seed=3", "max_steps=9"]
+    args = parse_args([overrides[0], "--recipe", recipe, *overrides[1:]])
+    assert args.recipe == recipe and args.overrides == overrides
+    cfg = load_recipe(args.recipe, args.overrides)
+    assert (cfg.max_steps, cfg.train.lr, cfg.seed) == (9, 1e-4, 3)
+    out = tmp_path / "run"
+    for argv, words in [
+        ([f"output_dir={out}", "--recipe", recipe, "train.lrr=1"], "unknown key 'train.lrr'"),  # after: read
+        (["train.lrr=1", "--recipe", recipe, f"output_dir={out}"], "unknown key 'train.lrr'"),  # before: read
+        (["--recipe", recipe, "seed=1", "--recipe", recipe], "--recipe is given twice"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            train_main(argv)
+        assert e.value.code == 2 and words in error_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == []

@@ -1,6 +1,10 @@
 """core/outputs.py: what an --output may replace, how it is replaced; core/paths.py: where inputs are found."""
 
 import os
+import signal
+import subprocess
+import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -9,7 +13,7 @@ from safetensors.torch import save_file
 
 from conftest import TINY_TARGET, error_line
 from dflash_train.core.errors import UserError
-from dflash_train.core.outputs import MARKER, marker_kind, require_free_output, write_atomically
+from dflash_train.core.outputs import MARKER, marker_kind, output_lock, require_free_output, write_atomically
 from dflash_train.core.paths import ROOT, model_source, resolve_input
 
 
@@ -200,6 +204,18 @@ def test_output_dot_is_written_into_the_current_folder_and_replaced_in_place(tmp
     assert here.stat().st_ino == inode and Path.cwd() == here and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
 
 
+def test_an_output_holding_the_current_folder_is_not_replaced(tmp_path, monkeypatch):
+    """Issue 30: replacing `..` from inside it (eval, export, prepare, cache) would delete the folder
+    the shell is in; resuming a cache there replaces nothing and goes on."""
+    out = made(tmp_path, "cache")
+    (out / "sub").mkdir()
+    monkeypatch.chdir(out / "sub")
+    with pytest.raises(UserError, match=rf"^--output '\.\.' holds the current folder '{out / 'sub'}'"):
+        require_free_output(Path(".."), True, "cache", [])
+    require_free_output(Path(".."), False, "cache", [], resumable=True)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "old.txt", "sub"])
+
+
 def test_a_folder_that_is_no_target_model_is_named_as_such(tmp_path):
     """Issue 30: a data folder or one of our drafters given as the target ended in the tokenizer
     loader's line, cut mid-sentence ("Couldn't instantiate the backend tokenizer from one of: ")."""
@@ -218,3 +234,104 @@ def test_a_folder_that_is_no_target_model_is_named_as_such(tmp_path):
     (converted / MARKER).write_text('{"tool": "dflash-train", "kind": "real-target"}')
     assert model_source(str(converted), "target") == str(converted)  # make real-target's model is a target
     assert model_source(str(TINY_TARGET), "target") == str(TINY_TARGET)
+
+
+# --- one process per output (output_lock) ---------------------------------------------------------
+
+HOLDER = """
+import sys
+from pathlib import Path
+from dflash_train.core.outputs import output_lock
+with output_lock(Path(sys.argv[1]), sys.argv[2]):
+    print("held", flush=True)
+    sys.stdin.readline()  # works until the test lets it finish
+    Path(sys.argv[1]).mkdir(parents=True)
+    (Path(sys.argv[1]) / "result.txt").write_text("finished")
+"""
+
+
+@contextmanager
+def first_process(out: Path, flag: str = "--output"):
+    """A real process holding `out`'s lock (a training or dflash-cache run at work), killed at the end."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, str(out), flag], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert p.stdout.readline() == "held\n"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def tree(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}
+
+
+def second_run(name, out, fresh_drafter_dir, small_data):
+    if name == "train":
+        from dflash_train.cli.train import main as train_main
+
+        return lambda: train_main([f"output_dir={out}", f"data.train={small_data / 'train.jsonl'}",
+                                   f"data.val={small_data / 'val.jsonl'}", "max_steps=2"])
+    return lambda: cli(name)(argv(name, out, fresh_drafter_dir, small_data / "val.jsonl") + ["--overwrite"])
+
+
+@pytest.mark.parametrize("name", ["train", *CLIS])
+def test_a_second_process_on_an_output_in_use_is_refused_and_the_first_goes_on(name, fresh_drafter_dir,
+                                                                              small_data, tmp_path, capsys):
+    """Issue 30: two trainings, or two dflash-cache / dflash-prepare runs, on one output wrote into
+    each other's files. The second is one line naming the first's pid, touches nothing, and the
+    first finishes as if alone."""
+    out, flag = tmp_path / "sub" / "out", "output_dir" if name == "train" else "--output"
+    with first_process(out, flag) as first:
+        before = tree(tmp_path)
+        assert (tmp_path / "sub" / ".out.lock").read_text() == f"{first.pid}\n"
+        line = exits_2(second_run(name, out, fresh_drafter_dir, small_data), capsys)
+        assert line == (f"error: {flag} '{out}' is in use by another dflash-train process (pid {first.pid}): "
+                        "wait for it to finish, or write somewhere else")
+        assert tree(tmp_path) == before
+        first.stdin.write("go\n")
+        first.stdin.flush()
+        assert first.wait(timeout=60) == 0
+    assert (out / "result.txt").read_text() == "finished" and sorted(tree(tmp_path)) == ["sub", "sub/out",
+                                                                                        "sub/out/result.txt"]
+
+
+def test_two_real_processes_the_second_exits_2_with_one_line(small_data, tmp_path):
+    out = tmp_path / "cache"
+    with first_process(out) as first:
+        command = ["-m", "dflash_train.cli.cache", "--data", small_data / "val.jsonl",
+                   "--target", TINY_TARGET, "--output", out]
+        r = subprocess.run([sys.executable, *map(str, command)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+            f"error: --output '{out}' is in use by another dflash-train process (pid {first.pid}): wait for "
+            "it to finish, or write somewhere else"]
+        assert not out.exists() and first.poll() is None
+
+
+def test_a_killed_holder_blocks_nothing_and_made_folders_are_removed(tmp_path):
+    """A process killed with the lock held leaves its file; the kernel dropped the lock, so the next
+    run takes it (and removes the file at its end). Parent folders made for the lock and left empty
+    go again, after a refusal too."""
+    out = tmp_path / "a" / "b" / "out"
+    with first_process(out) as first:
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+    assert (tmp_path / "a" / "b" / ".out.lock").is_file()  # stale
+    with output_lock(out, "--output"):
+        assert (tmp_path / "a" / "b" / ".out.lock").read_text() == f"{os.getpid()}\n"
+    assert not (tmp_path / "a" / "b" / ".out.lock").exists()
+    (tmp_path / "a" / "b").rmdir()
+    (tmp_path / "a").rmdir()
+    with pytest.raises(RuntimeError):
+        with output_lock(out, "--output"):
+            raise RuntimeError("the work failed")
+    assert list(tmp_path.iterdir()) == []  # a/ and a/b/ were made for the lock: gone with it
+    with output_lock(tmp_path / "x", "--output"):
+        with pytest.raises(UserError, match="is in use by another dflash-train"):  # this process, again
+            with output_lock(tmp_path / "x", "--output"):
+                pass
+    assert list(tmp_path.iterdir()) == []

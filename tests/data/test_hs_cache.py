@@ -1,8 +1,10 @@
 """Offline hidden-state cache: same losses as online training, resumable builds, refusals."""
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +227,32 @@ def test_a_damaged_cache_of_ours_is_replaced_with_overwrite(small_data, tmp_path
     hs_cli.main([*cmd, "--overwrite"])
     assert json.loads((out / hs.MANIFEST).read_text()) == json.loads(whole)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+
+
+def test_overwrite_in_the_current_folder_keeps_it_and_a_folder_around_it_is_refused(small_data, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Issue 30: `dflash-cache --output . --overwrite` was a traceback (renaming '.': EBUSY), and the
+    current folder named by its path was renamed away and deleted (the shell left in a deleted
+    folder). Now the folder stays and only its entries are replaced; an output that holds the
+    current folder (`--output ..` from inside it) is one line and nothing is touched."""
+    out = tmp_path / "c"
+    cmd = ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET), "--shard-rows", "8",
+           "--dtype", "float32"]
+    hs_cli.main([*cmd, "--output", str(out)])
+    inode = out.stat().st_ino
+    monkeypatch.chdir(out)
+    for given, dtype in [(".", "bfloat16"), (str(out), "fp8")]:  # other settings each time: replaced
+        hs_cli.main([*cmd[:-1], dtype, "--output", given, "--overwrite"])
+        assert out.stat().st_ino == inode and Path.cwd() == out and os.path.exists(os.getcwd())
+        assert json.loads((out / hs.MANIFEST).read_text())["dtype"] == dtype
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no old sibling or lock file left
+    (out / "notes").mkdir()
+    monkeypatch.chdir(out / "notes")
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        hs_cli.main([*cmd, "--output", "..", "--overwrite"])
+    assert e.value.code == 2 and error_line(capsys.readouterr().err) == (
+        f"error: --output '..' holds the current folder '{out / 'notes'}': replacing it would delete the "
+        "folder you are in; run the command from outside it")
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")) == before

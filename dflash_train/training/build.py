@@ -57,10 +57,11 @@ def draft_vocab_size(m: ModelConfig, tc) -> int | None:
     return m.draft_vocab_size
 
 
-def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds) -> dict | None:
+def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds, val_ds=None) -> dict | None:
     """Build a fresh drafter's draft vocabulary from data.train's supervised tokens and fill its frozen
     head from the target's; a drafter that has one (model.init_from) keeps it. -> what was built
-    (size, coverage of data.train's supervised tokens) or None without a draft vocabulary."""
+    (size, coverage of data.train's supervised tokens and of val_ds's: held out, the honest one)
+    or None without a draft vocabulary."""
     if drafter.lm_head is None:
         return None
     counts = count_supervised(zip(train_ds["input_ids"], train_ds["loss_mask"]))
@@ -70,7 +71,10 @@ def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds) -> dict
         vocab = build_draft_vocab(counts, drafter.config.draft_vocab_size, drafter.config.vocab_size,
                                   stop_token_ids(target.model, target.tokenizer))
         drafter.set_draft_vocab(vocab, target.lm_head.weight)
-    return {"size": vocab.size, "coverage": round(vocab.coverage(counts), 4)}
+    out = {"size": vocab.size, "coverage": round(vocab.coverage(counts), 4)}
+    if val_ds is not None:
+        out["val_coverage"] = round(vocab.coverage(count_supervised(zip(val_ds["input_ids"], val_ds["loss_mask"]))), 4)
+    return out
 
 
 def dspark_fields(m: ModelConfig, tc) -> dict:

@@ -543,10 +543,11 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     train_dl, sampler, val_ds, collate_fn, cache = setup_data(cfg, target, layer_ids, accelerator)
-    draft_vocab = attach_draft_vocab(drafter, target, train_dl.dataset)  # before a resume loads the saved one
+    draft_vocab = attach_draft_vocab(drafter, target, train_dl.dataset, val_ds)  # before a resume loads the saved one
     if draft_vocab:
         accelerator.print(f"draft vocabulary: {draft_vocab['size']} of {dcfg.vocab_size} tokens, covering "
-                          f"{draft_vocab['coverage']:.1%} of data.train's supervised tokens")
+                          f"{draft_vocab['coverage']:.1%} of data.train's supervised tokens "
+                          f"({draft_vocab['val_coverage']:.1%} of data.val's)")
     drafter, opt, raw_opt, sched, shared_w1, train_dl, position = setup_optimization(cfg, accelerator, engine, drafter,
                                                                                      target, train_dl, resume)
     start_step, epoch, skip, tokens, train_time = position

@@ -123,8 +123,9 @@ def run(args) -> None:
         cfg.num_target_layers = vconfig.num_hidden_layers
     pin = resolve_pin(source, revision)
     folder = resolve_folder(args.checkpoint)
-    recipe_file = folder / "recipe.yaml"
-    recipe_text = recipe_file.read_text() if recipe_file.is_file() else None
+    # ours: recipe.yaml; an export (re-exported, e.g. with its eval reports): training_recipe.yaml
+    recipe_file = next((folder / n for n in ("recipe.yaml", "training_recipe.yaml") if (folder / n).is_file()), None)
+    recipe_text = recipe_file.read_text() if recipe_file else None
     card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
                       meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder),
                       distilled_steps(folder), notes)

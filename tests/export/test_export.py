@@ -355,3 +355,12 @@ def test_native_config_without_causality_keys_reads_as_bidirectional(exports, tm
     del cfg["is_causal"], cfg["dflash_config"]["causal"]
     (tmp_path / "z" / "config.json").write_text(json.dumps(cfg))
     assert load_drafter(tmp_path / "z")[0].config.block_attention == "bidirectional"
+
+
+def test_re_exporting_an_export_keeps_its_training_recipe(exports, tmp_path):
+    """An export re-exported (e.g. to add the eval reports of the export itself) carries the recipe on:
+    the export holds it as training_recipe.yaml, not recipe.yaml."""
+    main(["--format", "speculators", "--checkpoint", str(exports / "speculators"), "--output", str(tmp_path / "re")])
+    assert (tmp_path / "re" / "training_recipe.yaml").read_text() == \
+        (exports / "speculators" / "training_recipe.yaml").read_text()
+    assert "Full recipe (training_recipe.yaml)" in (tmp_path / "re" / "README.md").read_text()

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from conftest import TINY_TARGET, error_line, run_main
 from draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
+from test_export import speculators_block_logits
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.cli.export import main
 from dflash_train.model.drafter import ContextCache
@@ -64,16 +65,7 @@ def test_speculators_loader_reads_our_head_and_maps_and_gives_our_logits(exports
 
     ids = torch.randint(0, 1000, (1, 19))
     a, B = 11, ours.config.block_size
-    out = tiny_target.model.get_decoder()(input_ids=ids[:, :a], output_hidden_states=True)
-    spec_taps = torch.cat([out.hidden_states[i] for i in spec.config.aux_hidden_state_layer_ids], -1)
-    block = torch.full((1, B), spec.config.mask_token_id)
-    block[0, 0] = ids[0, a]
-    ctx = spec.hidden_norm(spec.fc(spec_taps))
-    x = spec.embed_tokens(block)
-    pos_emb = spec.rotary_emb(x, torch.arange(a + B)[None])
-    for layer in spec.layers:
-        x = layer(target_hidden=ctx, hidden_states=x, attention_mask=None, position_embeddings=pos_emb)
-    spec_logits = spec.lm_head(spec.norm(x))  # [1, B, N]
+    spec_logits, block = speculators_block_logits(spec, tiny_target, ids, a, B)  # [1, B, N]
 
     taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]), ours.config.target_layer_ids)
     cache = ContextCache(ours.config.num_hidden_layers)

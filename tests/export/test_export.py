@@ -68,8 +68,20 @@ def test_speculators_loader_gives_the_same_draft_logits(exports, trained_drafter
 
     ids = torch.randint(0, 1000, (1, 19))
     a, B = 11, ours.config.block_size
+    spec_logits, block = speculators_block_logits(spec, tiny_target, ids, a, B)
+
+    taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]), ours.config.target_layer_ids)
+    cache = ContextCache(ours.config.num_hidden_layers)
+    ours.extend_context(cache, taps, torch.arange(a)[None])
+    our_logits = tiny_target.lm_head(ours.forward_cached(tiny_target.embed(block), torch.arange(a, a + B)[None], cache))
+    torch.testing.assert_close(spec_logits, our_logits, rtol=1e-5, atol=1e-5)
+
+
+def speculators_block_logits(spec, target, ids: torch.Tensor, a: int, B: int):
+    """speculators' own DFlash model drafting the block [ids[a], MASK x (B-1)] after ids[:a]
+    -> (its logits [1, B, V or N], the block ids [1, B])."""
     # speculators indexes hidden_states by its own aux ids directly (no +1)
-    out = tiny_target.model.get_decoder()(input_ids=ids[:, :a], output_hidden_states=True)
+    out = target.model.get_decoder()(input_ids=ids[:, :a], output_hidden_states=True)
     spec_taps = torch.cat([out.hidden_states[i] for i in spec.config.aux_hidden_state_layer_ids], -1)
     block = torch.full((1, B), spec.config.mask_token_id)
     block[0, 0] = ids[0, a]
@@ -78,13 +90,7 @@ def test_speculators_loader_gives_the_same_draft_logits(exports, trained_drafter
     pos_emb = spec.rotary_emb(x, torch.arange(a + B)[None])
     for layer in spec.layers:
         x = layer(target_hidden=ctx, hidden_states=x, attention_mask=None, position_embeddings=pos_emb)
-    spec_logits = spec.lm_head(spec.norm(x))
-
-    taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]), ours.config.target_layer_ids)
-    cache = ContextCache(ours.config.num_hidden_layers)
-    ours.extend_context(cache, taps, torch.arange(a)[None])
-    our_logits = tiny_target.lm_head(ours.forward_cached(tiny_target.embed(block), torch.arange(a, a + B)[None], cache))
-    torch.testing.assert_close(spec_logits, our_logits, rtol=1e-5, atol=1e-5)
+    return spec.lm_head(spec.norm(x)), block
 
 
 def test_native_export_converts_to_the_speculators_export(exports, tmp_path):

@@ -370,3 +370,14 @@ def test_re_exporting_an_export_keeps_its_training_recipe(exports, tmp_path):
     assert (tmp_path / "re" / "training_recipe.yaml").read_text() == \
         (exports / "speculators" / "training_recipe.yaml").read_text()
     assert "Full recipe (training_recipe.yaml)" in (tmp_path / "re" / "README.md").read_text()
+
+
+def test_an_export_inside_a_run_folder_is_not_carded_as_one_of_its_checkpoints(tmp_path):
+    from dflash_train.export.card import run_choice
+
+    (tmp_path / "final").mkdir()
+    (tmp_path / "export0").mkdir()
+    chosen = {"budget": 64, "metric": "ddtree_tau", "step": 4, "folder": "final", "value": 2.0, "validated": {}}
+    (tmp_path / "summary.json").write_text(json.dumps({"chosen": chosen}))
+    assert run_choice(tmp_path / "final")["this"] is True
+    assert run_choice(tmp_path / "export0") is None

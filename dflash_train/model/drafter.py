@@ -328,16 +328,11 @@ class DFlashDrafter(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Draft indices -> target token ids (the identity over the full vocabulary)."""
-        return draft_ids if self.lm_head is None else draft_ids + self.d2t[draft_ids]
+        return draft_ids if self.lm_head is None else self.draft_vocab.to_target(draft_ids)
 
     def to_draft_ids(self, target_ids: torch.Tensor) -> torch.Tensor:
         """Target token ids -> draft indices, -1 for ids outside the draft vocabulary (and for -1)."""
-        if self.lm_head is None:
-            return target_ids
-        index = torch.full((self.config.vocab_size + 1,), -1, dtype=torch.long, device=target_ids.device)
-        index[(self.d2t + torch.arange(len(self.d2t), device=self.d2t.device)).to(target_ids.device)] = \
-            torch.arange(len(self.d2t), device=target_ids.device)
-        return index[target_ids.long().clamp(min=-1)]  # -1 reads the extra last row: -1
+        return target_ids if self.lm_head is None else self.draft_vocab.to_draft(target_ids, missing=-1)
 
     def full_logits(self, hidden: torch.Tensor, target_head: nn.Module) -> torch.Tensor:
         """hidden [.., H] -> logits over the target's vocabulary [.., V]: the target head's, or the

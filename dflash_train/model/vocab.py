@@ -42,13 +42,14 @@ class DraftVocab:
         return mask
 
     def to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.kept[draft_ids]
+        return self.kept.to(draft_ids.device)[draft_ids]
 
     def to_draft(self, target_ids: torch.Tensor, missing: int = -100) -> torch.Tensor:
-        """Target ids -> draft indices; ids outside the draft vocabulary -> `missing` (the loss's ignore index)."""
-        index = torch.full((self.vocab_size,), missing, dtype=torch.long)
-        index[self.kept] = torch.arange(self.size)
-        return index[target_ids]
+        """Target ids -> draft indices (on their device); ids outside the draft vocabulary, and -1 (an
+        absent label), -> `missing` (the loss's ignore index)."""
+        index = torch.full((self.vocab_size + 1,), missing, dtype=torch.long, device=target_ids.device)
+        index[self.kept.to(target_ids.device)] = torch.arange(self.size, device=target_ids.device)
+        return index[target_ids.long().clamp(min=-1)]  # -1 reads the extra last entry: `missing`
 
     def coverage(self, counts: Counter) -> float:
         """Share of the counted (supervised) tokens inside the draft vocabulary."""

@@ -28,6 +28,9 @@ def parse_args(argv):
     p.add_argument("--target-revision", default=None)
     p.add_argument("--output", required=True)
     p.add_argument("--overwrite", action="store_true", help="replace a cache made with other settings")
+    p.add_argument("--append", action="store_true",
+                   help="extend a complete cache of the first rows of --data (a corpus that grew at its end, "
+                        "dflash-prepare --append-to): its full shards are kept")
     p.add_argument("--target-layer-ids", default=None, help="comma-separated taps (z-lab ids); default: DFlash's rule")
     p.add_argument("--num-draft-layers", type=int, default=2, help="for the default taps: one per drafter layer")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
@@ -40,6 +43,8 @@ def parse_args(argv):
                    help=f"rows per target forward (at most {MAX_BATCH_SIZE})")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
+    if args.append and args.overwrite:
+        p.error("--append keeps a cache's shards, --overwrite replaces them: pass one")
     for name in ["shard_rows", "batch_size", "max_length", "num_draft_layers"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -90,7 +95,8 @@ def run(args) -> None:
         raise UserError(str(e).replace("model.target_layer_ids", flag)) from None
     ds = load_conversations(args.data, target.tokenizer, args.max_length)
     try:
-        m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size, args.overwrite)
+        m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size, args.overwrite,
+                        args.append)
     except KeyboardInterrupt:
         m = None
     if m is None:  # outside the except block, so the progress bar has closed before our line

@@ -38,9 +38,10 @@ from dflash_train.core.outputs import marker_kind, output_lock, require_free_out
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data import regenerate as regen
-from dflash_train.data.chat import (DROP_REASONS, FORMATS, Fields, INFO_FILE, ROLE_NAMES, encode_conversations,
-                                    end_of_turn, input_kind, read_conversations, read_rows, split_indices,
-                                    template_sha256, to_dataset)
+from dflash_train.data.chat import (DROP_REASONS, FORMATS, INFO_FILE, ROLE_NAMES, Fields, append_rows,
+                                    check_appendable, encode_conversations, end_of_turn, input_kind,
+                                    read_conversations, read_prepared, read_rows, split_indices, template_sha256,
+                                    to_dataset)
 from dflash_train.data.engine import static_generate
 from dflash_train.model.target import (LOAD_ERRORS, check_positions, first_line, load_target, max_positions,
                                        target_dtype)
@@ -88,8 +89,19 @@ def parse_args(argv):
     val = p.add_mutually_exclusive_group()
     val.add_argument("--val-fraction", type=float, default=None, help="hold out this fraction as OUT/val")
     val.add_argument("--val-size", type=int, default=None, help="hold out this many rows as OUT/val")
+    p.add_argument("--append-to", default=None, metavar="PREPARED",
+                   help="grow an earlier dflash-prepare output: OUT holds its rows, then this input's rows "
+                        "that are not already in it, added to its train split; its val split stays as it was "
+                        "(for a corpus that grew at its end; then dflash-cache --append)")
     p.add_argument("--output", required=True, help="output folder (OUT, or OUT/train + OUT/val with a split)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    add_regeneration_args(p)
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def add_regeneration_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("regeneration (the target writes the assistant turns; see dflash_train/data/regenerate.py)")
     g.add_argument("--regenerate", action="store_true", help="replace every assistant turn by the target's answer")
     g.add_argument("--backend", choices=["transformers", "static", "vllm"], default="transformers",
@@ -111,7 +123,10 @@ def parse_args(argv):
     g.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="the target's weights while it answers: auto = bf16 on a GPU that has it, else fp32; "
                         "bf16 on a CPU with AVX-512 BF16 is ~2x faster")
-    args = p.parse_args(argv)
+
+
+def check_args(p: argparse.ArgumentParser, args) -> None:
+    """Bounds and combinations argparse cannot express: one `error:` line, exit 2."""
     if args.val_fraction is not None and not 0 < args.val_fraction < 1:
         p.error("--val-fraction must be in (0, 1)")
     for name in ["val_size", "max_rows", "max_length", "max_new_tokens", "batch_size"]:
@@ -126,9 +141,12 @@ def parse_args(argv):
         p.error(f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got {args.temperature}")
     if not 0 <= args.seed < 2**32:
         p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
+    if args.append_to and (args.val_size or args.val_fraction or args.shuffle):
+        p.error("--append-to keeps the earlier output's split: --val-size, --val-fraction and --shuffle do not apply")
+    if args.append_to and Path(args.append_to).resolve() == Path(args.output).resolve():
+        p.error("--append-to and --output are the same folder: write the grown data to a new --output")
     if args.backend == "vllm" and args.target_dtype != "auto":
         p.error("--target-dtype applies to the transformers and static backends (vLLM picks its own dtype)")
-    return args
 
 
 def fit_positions(args) -> None:
@@ -214,13 +232,56 @@ def run(args) -> None:
         regen.import_vllm()  # fail before reading anything
     elif args.backend == "vllm":
         raise UserError("--backend applies to --regenerate only")
-    kind = input_kind(args.input)
     fields = fields_from(args)
     tokenizer = load_tokenizer(args)
     eot = end_of_turn(tokenizer)
+    info = prepare_info(args, fields, tokenizer, eot)
+    old = None
+    if args.append_to:  # checked before the input is read
+        old_info, old = read_prepared(Path(args.append_to))
+        check_appendable(old_info, info, Path(args.append_to))
 
-    # --- read and normalise ----------------------------------------------------------------------
-    rows = read_rows(args.input, kind, args.split, args.config)
+    conversations, counts, dropped, info["regeneration"] = read_and_regenerate(args, fields, tokenizer, eot, work)
+    kept, truncated = encode_and_filter(args, tokenizer, conversations, eot, dropped)
+    summary = (f"{counts.read} rows read from {args.input}, {counts.malformed} malformed; kept {len(kept)}, dropped "
+               f"{sum(dropped.values())}" + "".join(f", {k} {v}" for k, v in dropped.items() if v))
+    if not kept:
+        raise UserError(f"no usable conversation: {summary}"
+                        + (f" (first malformed: {counts.examples[0]})" if counts.examples else ""))
+    splits, already = split_rows(args, kept, old)
+    rows = [r for part in splits.values() for r in part]
+    info |= {"counts": {"read": counts.read, "malformed": counts.malformed, "kept": len(kept), "dropped": dict(dropped),
+                        "truncated_to_max_length": truncated},
+             "malformed_examples": counts.examples,
+             "splits": {name: len(part) for name, part in splits.items()},
+             "tokens": {"total": sum(len(r[0]) for r in rows), "supervised": sum(sum(r[1]) for r in rows)}}
+    if old is not None:
+        summary += f"; {already} already in --append-to, {len(kept) - already} appended"
+        info["appended_to"] = {"path": str(Path(args.append_to).resolve()),
+                               "splits": {name: len(part) for name, part in old.items()}, "already_there": already}
+    write_atomically(out, lambda tmp: write_prepared(tmp, splits, info, conversations if args.regenerate else None),
+                     "prepare")
+    if work is not None and marker_kind(work) == "regenerate":
+        shutil.rmtree(work, ignore_errors=True)  # ours, finished: nothing left to resume
+    print(summary)
+    print(f"wrote {' / '.join(f'{k} {v}' for k, v in info['splits'].items())}, {info['tokens']['total']:,} tokens "
+          f"({info['tokens']['supervised']:,} supervised) to {out}")
+
+
+def prepare_info(args, fields: Fields, tokenizer, eot: str) -> dict:
+    """prepare_info.json's settings (its counts, splits and tokens are added once known)."""
+    return {"input": args.input, "split": args.split if input_kind(args.input) == "hub" else None,
+            "config": args.config, "format": args.format, "fields": asdict(fields),
+            "target": {"name_or_path": args.target, "revision": args.target_revision},
+            "template": {"sha256": template_sha256(tokenizer), "end_of_turn": eot},
+            "enable_thinking": args.enable_thinking, "max_length": args.max_length,
+            "min_supervised_tokens": args.min_supervised_tokens, "shuffle": args.shuffle, "seed": args.seed}
+
+
+def read_and_regenerate(args, fields: Fields, tokenizer, eot: str, work: Path | None):
+    """Rows -> OpenAI messages (and the target's answers with --regenerate).
+    -> conversations, read counts, drop counts, the regeneration record (None without it)."""
+    rows = read_rows(args.input, input_kind(args.input), args.split, args.config)
     conversations, counts = read_conversations(islice(rows, args.max_rows), args.format, fields, args.strict,
                                                args.input)
     dropped = Counter(dict.fromkeys(DROP_REASONS, 0))
@@ -229,8 +290,12 @@ def run(args) -> None:
         results, regeneration = run_regeneration(args, tokenizer, conversations, eot, work)
         dropped.update(r for r in results if isinstance(r, str))
         conversations = [r for r in results if not isinstance(r, str)]
+    return conversations, counts, dropped, regeneration
 
-    # --- tokenize and mask -----------------------------------------------------------------------
+
+def encode_and_filter(args, tokenizer, conversations, eot: str, dropped: Counter) -> tuple[list, int]:
+    """Token ids and loss masks of the usable conversations (drops counted into `dropped`).
+    -> kept (ids, mask) rows, how many were cut to --max-length."""
     kept, truncated = [], 0
     encoded = encode_conversations(tokenizer, conversations, eot, args.max_length, args.enable_thinking)
     for r in tqdm(encoded, total=len(conversations), desc="tokenize", unit="conv", mininterval=BAR_INTERVAL):
@@ -241,52 +306,34 @@ def run(args) -> None:
         else:
             kept.append(r)
             truncated += len(r[0]) == args.max_length
-    summary = (f"{counts.read} rows read from {args.input}, {counts.malformed} malformed; kept {len(kept)}, dropped "
-               f"{sum(dropped.values())}" + "".join(f", {k} {v}" for k, v in dropped.items() if v))
-    if not kept:
-        raise UserError(f"no usable conversation: {summary}"
-                        + (f" (first malformed: {counts.examples[0]})" if counts.examples else ""))
+    return kept, truncated
 
-    # --- split and write -------------------------------------------------------------------------
+
+def split_rows(args, kept: list, old: dict | None) -> tuple[dict[str, list], int]:
+    """-> ({train, val} or {all}: rows, rows of `kept` already in `old`). Grown onto `old` with
+    --append-to, else a train/val split when asked."""
+    if old is not None:
+        return append_rows(old, kept)
     n = len(kept)
     val_size = args.val_size or (max(1, round(args.val_fraction * n)) if args.val_fraction else 0)
     if val_size >= n:
         raise UserError(f"a validation split of {val_size} rows leaves no training rows ({n} kept)")
     train_idx, val_idx = split_indices(n, args.shuffle, args.seed, val_size)
-    info = {
-        "input": args.input, "split": args.split if kind == "hub" else None, "config": args.config,
-        "format": args.format, "fields": asdict(fields),
-        "target": {"name_or_path": args.target, "revision": args.target_revision},
-        "template": {"sha256": template_sha256(tokenizer), "end_of_turn": eot},
-        "enable_thinking": args.enable_thinking, "max_length": args.max_length,
-        "min_supervised_tokens": args.min_supervised_tokens,
-        "counts": {"read": counts.read, "malformed": counts.malformed, "kept": n, "dropped": dict(dropped),
-                   "truncated_to_max_length": truncated},
-        "malformed_examples": counts.examples,
-        "splits": {"train": len(train_idx), "val": len(val_idx)} if val_size else {"all": n},
-        "shuffle": args.shuffle, "seed": args.seed,
-        "tokens": {"total": sum(len(r[0]) for r in kept), "supervised": sum(sum(r[1]) for r in kept)},
-        "regeneration": regeneration,
-    }
+    if not val_size:
+        return {"all": [kept[i] for i in train_idx]}, 0
+    return {"train": [kept[i] for i in train_idx], "val": [kept[i] for i in val_idx]}, 0
 
-    def write(tmp: Path):
-        if val_size:
-            to_dataset([kept[i] for i in train_idx]).save_to_disk(str(tmp / "train"))
-            to_dataset([kept[i] for i in val_idx]).save_to_disk(str(tmp / "val"))
-        else:
-            to_dataset([kept[i] for i in train_idx]).save_to_disk(str(tmp))
-        if args.regenerate:
-            with open(tmp / "regenerated.jsonl", "w") as f:
-                for messages in conversations:
-                    f.write(json.dumps({"messages": messages}) + "\n")
-        (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
-    write_atomically(out, write, "prepare")
-    if work is not None and marker_kind(work) == "regenerate":
-        shutil.rmtree(work, ignore_errors=True)  # ours, finished: nothing left to resume
-    parts = f"train {len(train_idx)} / val {len(val_idx)}" if val_size else f"{n} rows"
-    print(summary)
-    print(f"wrote {parts}, {info['tokens']['total']:,} tokens ({info['tokens']['supervised']:,} supervised) to {out}")
+def write_prepared(tmp: Path, splits: dict[str, list], info: dict, conversations: list | None) -> None:
+    """The dataset folder(s) (OUT, or OUT/train + OUT/val), prepare_info.json, and the target's
+    conversations (regenerated.jsonl) when it wrote them."""
+    for name, rows in splits.items():
+        to_dataset(rows).save_to_disk(str(tmp if name == "all" else tmp / name))
+    if conversations is not None:
+        with open(tmp / "regenerated.jsonl", "w") as f:
+            for messages in conversations:
+                f.write(json.dumps({"messages": messages}) + "\n")
+    (tmp / INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -346,3 +346,48 @@ def split_indices(n: int, shuffle: bool, seed: int, val_size: int) -> tuple[list
         random.Random(seed).shuffle(order)
     val = set(random.Random(seed + 1).sample(range(n), val_size)) if val_size else set()
     return [i for i in order if i not in val], [i for i in order if i in val]
+
+
+# --- growing a prepared dataset ------------------------------------------------------------------
+
+# prepare_info.json fields that must agree for rows of two prepare runs to sit in one dataset.
+SAME_ROWS = ("format", "enable_thinking", "max_length", "min_supervised_tokens")
+
+
+def read_prepared(folder: Path) -> tuple[dict, dict[str, list[tuple[list[int], list[int]]]]]:
+    """A dflash-prepare output -> (its prepare_info, {split: rows}) with splits train + val, or all."""
+    if not (folder / INFO_FILE).is_file():
+        raise UserError(f"--append-to '{folder}' is not a dflash-prepare output (no {INFO_FILE} in it)")
+    info = json.loads((folder / INFO_FILE).read_text())
+    splits = {}
+    for name in info.get("splits", {}):
+        path = folder if name == "all" else folder / name
+        try:
+            ds = Dataset.load_from_disk(str(path))
+        except Exception as e:  # datasets raises many types for damaged folders
+            raise UserError(f"--append-to '{folder}': split {name} cannot be read ({type(e).__name__})") from None
+        splits[name] = list(zip(ds["input_ids"], ds["loss_mask"]))
+    if not splits:
+        raise UserError(f"--append-to '{folder}': its {INFO_FILE} names no splits")
+    return info, splits
+
+
+def check_appendable(info: dict, mine: dict, folder: Path) -> None:
+    """The rows of `info`'s prepare run and of this one (`mine`: the same fields) must be the same kind."""
+    if info["template"]["sha256"] != mine["template"]["sha256"]:
+        raise UserError(f"--append-to '{folder}' was prepared with another chat template (target "
+                        f"'{info['target']['name_or_path']}')")
+    differ = [f"{k} {info.get(k)} vs {mine[k]}" for k in SAME_ROWS if info.get(k) != mine[k]]
+    if differ:
+        raise UserError(f"--append-to '{folder}' was prepared with other settings ({', '.join(differ)})")
+
+
+def append_rows(old: dict[str, list], kept: list) -> tuple[dict[str, list], int]:
+    """New rows go after the old training rows (after 'all' when unsplit); rows already in any old split
+    are left out, so the grown corpus itself can be passed. The old val stays as it was, so validation
+    stays comparable and a cache of the old train rows is a prefix of the new (dflash-cache --append).
+    -> ({split: rows}, rows left out)."""
+    seen = {(tuple(ids), tuple(mask)) for rows in old.values() for ids, mask in rows}
+    new = [r for r in kept if (tuple(r[0]), tuple(r[1])) not in seen]
+    grow = "train" if "train" in old else "all"
+    return {name: rows + new if name == grow else rows for name, rows in old.items()}, len(kept) - len(new)

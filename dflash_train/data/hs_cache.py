@@ -116,93 +116,141 @@ def _write_json(path: Path, obj: dict) -> None:
     os.replace(tmp, path)
 
 
-@torch.no_grad()
-def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str = "bfloat16",
-                shard_rows: int = 256, batch_size: int = 8, overwrite: bool = False) -> dict:
-    """Compute and store the states of every row of `ds`; resumes from complete shards in `out`.
-    A complete cache for the same settings is left as it is. `overwrite` replaces a cache made
-    with other settings (moved aside, deleted once the new one is started)."""
-    check_tap_layers(layer_ids, target.num_layers)
+def _settings(target: Target, ds, layer_ids: list[int], dtype: str, shard_rows: int) -> dict:
+    """The manifest's head: what a cache is for. All of it is the resume key."""
     H = target.model.config.hidden_size
-    lengths = [len(ids) for ids in ds["input_ids"]]
-    head = {"target": target.name_or_path, "target_pin": resolve_pin(target.name_or_path, target.revision),
+    return {"target": target.name_or_path, "target_pin": resolve_pin(target.name_or_path, target.revision),
             "target_layer_ids": list(layer_ids), "hidden_size": H, "dtype": dtype,
             # part of the resume key: a cache is never resumed in another dtype (bf16 and fp32 states mixed)
             "target_dtype": {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(target.model.dtype,
                                                                                 str(target.model.dtype)[6:]),
-            "rows": len(ds), "tokens": sum(lengths), "bytes_per_token": bytes_per_token(len(layer_ids), H, dtype),
+            "rows": len(ds), "tokens": sum(len(ids) for ids in ds["input_ids"]),
+            "bytes_per_token": bytes_per_token(len(layer_ids), H, dtype),
             "dataset_sha256": dataset_hash(ds), "shard_rows": shard_rows, "labels": True}
-    old, found = None, None
-    if (out / MANIFEST).exists() or (out / PARTIAL).exists():
+
+
+# The fields a cache of the first rows of a dataset differs in from a cache of all of it.
+GROWS = {"rows", "tokens", "dataset_sha256"}
+
+
+def _prefix_of(found: dict, head: dict, ds) -> bool:
+    """Is `found` (a manifest) a cache of the first found['rows'] rows of `ds`, with head's settings?"""
+    differ = {k for k in head if found.get(k) != head[k]}
+    return (bool(differ) and differ <= GROWS and 0 < found.get("rows", 0) < len(ds)
+            and dataset_hash(ds.select(range(found["rows"]))) == found["dataset_sha256"])
+
+
+def _reuse_or_replace(out: Path, head: dict, ds, overwrite: bool, append: bool) -> tuple[dict | None, Path | None]:
+    """What `out` holds decides the build: -> (the manifest whose shards may be reused, or None; a folder
+    moved aside to delete once the new build has started, or None). Returns the complete manifest itself,
+    with no folder, when `out` is already a complete cache of these settings (nothing to do)."""
+    if not ((out / MANIFEST).exists() or (out / PARTIAL).exists()):
+        return None, None
+    complete = (out / MANIFEST).exists()
+    try:
+        found = read_json(out / (MANIFEST if complete else PARTIAL), CacheManifest).model_dump(mode="json",
+                                                                                    exclude_none=True)
+    except UserError as e:  # a damaged manifest in a cache of ours (require_free_output checked the marker)
+        if not overwrite:
+            raise UserError(f"{e} (pass --overwrite to replace this cache)") from None
+        return None, move_aside(out)
+    differ = [k for k in head if found.get(k) != head[k]]
+    if not differ and complete and not overwrite:
         try:
-            found = read_json((out / MANIFEST) if (out / MANIFEST).exists() else (out / PARTIAL), CacheManifest)
-        except UserError as e:  # a damaged manifest in a cache of ours (require_free_output checked the marker)
-            if not overwrite:
-                raise UserError(f"{e} (pass --overwrite to replace this cache)") from None
-            found = None
-        found = found.model_dump(exclude_none=True) if found is not None else {}
-        differ = [k for k in head if found.get(k) != head[k]]
-        same = not differ
-        if same and (out / MANIFEST).exists() and not overwrite:
-            try:
-                check_complete(out)
-            except UserError as e:  # a shard was deleted or damaged since: rebuild what is missing
-                print(f"{e}: rebuilding it", file=sys.stderr)
-                _write_json(out / PARTIAL, {k: v for k, v in found.items() if k != "bytes_on_disk"})
-                (out / MANIFEST).unlink()  # no longer complete: training refuses it until rebuilt
-            else:
-                print(f"hidden-state cache '{out}' is already complete ({found['rows']} rows, {found['tokens']:,} "
-                      "tokens): nothing to do", file=sys.stderr)
-                return found
-        if not same and not overwrite:
-            raise UserError(f"'{out}' holds a {'complete' if (out / MANIFEST).exists() else 'partial'} cache for other "
-                            f"settings ({', '.join(differ)} differ): pass --overwrite to replace it")
-        if overwrite:
-            old = move_aside(out)  # `--output .`: the current folder stays, emptied
+            check_complete(out)
+        except UserError as e:  # a shard was deleted or damaged since: rebuild what is missing
+            print(f"{e}: rebuilding it", file=sys.stderr)
+            _write_json(out / PARTIAL, {k: v for k, v in found.items() if k != "bytes_on_disk"})
+            (out / MANIFEST).unlink()  # no longer complete: training refuses it until rebuilt
+            return found, None
+        return found | {"complete": True}, None
+    if overwrite:
+        return None, move_aside(out)  # `--output .`: the current folder stays, emptied
+    if differ and complete and _prefix_of(found, head, ds):
+        if not append:
+            raise UserError(f"'{out}' holds a cache of the first {found['rows']} of these {len(ds)} rows: pass "
+                            "--append to extend it (its full shards are kept), or --overwrite to replace it")
+        # Full shards of the prefix are the same rows of this data; the prefix's last, short shard is rebuilt.
+        kept = [s for s in found["shards"] if s["rows"][1] - s["rows"][0] == head["shard_rows"]]
+        print(f"extending '{out}' from {found['rows']} to {len(ds)} rows ({len(kept)} full shard(s) kept)",
+              file=sys.stderr)
+        _write_json(out / PARTIAL, {**head, "shards": kept})
+        (out / MANIFEST).unlink()  # no longer complete for the data it now serves
+        return found | {"shards": kept}, None
+    if differ:
+        raise UserError(f"'{out}' holds a {'complete' if complete else 'partial'} cache for other settings "
+                        f"({', '.join(differ)} differ): pass --overwrite to replace it")
+    return found, None  # a partial build of these settings: resume it
+
+
+def _shard_tensors(target: Target, ds, lo: int, hi: int, layer_ids: list[int], dtype: str,
+                   batch_size: int) -> dict[str, torch.Tensor]:
+    """Rows [lo, hi) through the target, batch_size at a time -> the shard's tensors (taps, last, labels)."""
+    device = target.embed.weight.device
+    pad = target.tokenizer.pad_token_id or 0
+    tensors = {}
+    for b in range(lo, hi, batch_size):
+        rows = list(range(b, min(b + batch_size, hi)))
+        lengths = [len(ds[r]["input_ids"]) for r in rows]
+        ids = torch.full((len(rows), max(lengths)), pad, dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : lengths[i]] = torch.tensor(ds[r]["input_ids"])
+            attn[i, : lengths[i]] = 1
+        taps, last = target_forward(target, ids.to(device), attn.to(device), layer_ids)
+        for i, r in enumerate(rows):
+            for key, x in [("taps", taps[i, : lengths[i]]), ("last", last[i, : lengths[i]])]:
+                for suffix, t in _encode(x.cpu(), dtype).items():
+                    tensors[f"{key}.{r}{suffix}"] = t
+            tensors[f"labels.{r}"] = greedy_labels(target, last[i, : lengths[i]])
+    return tensors
+
+
+def _write_shard(out: Path, name: str, tensors: dict, rows: tuple[int, int], tokens: int) -> dict:
+    """Atomically: a shard is either absent or complete. -> its manifest record."""
+    tmp = out / f".{name}.tmp"
+    save_file(tensors, tmp)
+    match_umask(tmp)  # safetensors writes 0600
+    os.replace(tmp, out / name)
+    return {"file": name, "rows": list(rows), "tokens": tokens, "sha256": file_sha256(out / name),
+            "bytes": (out / name).stat().st_size}
+
+
+@torch.no_grad()
+def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str = "bfloat16",
+                shard_rows: int = 256, batch_size: int = 8, overwrite: bool = False, append: bool = False) -> dict:
+    """Compute and store the states of every row of `ds`; resumes from complete shards in `out`.
+    A complete cache for the same settings is left as it is. `overwrite` replaces a cache made
+    with other settings (moved aside, deleted once the new one is started); `append` extends a
+    complete cache of the first rows of `ds` (a corpus that grew at its end), keeping its full shards."""
+    check_tap_layers(layer_ids, target.num_layers)
+    head = _settings(target, ds, layer_ids, dtype, shard_rows)
+    found, old = _reuse_or_replace(out, head, ds, overwrite, append)
+    if found is not None and found.pop("complete", False):
+        print(f"hidden-state cache '{out}' is already complete ({found['rows']} rows, {found['tokens']:,} "
+              "tokens): nothing to do", file=sys.stderr)
+        return found
     out.mkdir(parents=True, exist_ok=True)
     write_marker(out, "cache")
     if old is not None:
         shutil.rmtree(old)
     for stale in out.glob(".shard_*.tmp"):  # cut off by an interruption
         stale.unlink()
-    partial = found if old is None and found else None  # the shards an earlier build of these settings listed
-    done = {s["file"]: s for s in (partial or {}).get("shards", [])
+    done = {s["file"]: s for s in (found or {}).get("shards", [])
             if (out / s["file"]).is_file() and file_sha256(out / s["file"]) == s["sha256"]}
     print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} bytes/token "
           f"({dtype}), {head['tokens'] * head['bytes_per_token'] / 2**20:,.1f} MiB in all; "
           f"{len(done)} shard(s) already done", file=sys.stderr)
-
-    device = target.embed.weight.device
-    pad = target.tokenizer.pad_token_id or 0
+    lengths = [len(ids) for ids in ds["input_ids"]]
     shards = []
-    n_shards = (len(ds) + shard_rows - 1) // shard_rows
-    for s in tqdm(range(n_shards), desc="cache shards", mininterval=BAR_INTERVAL):
+    for s in tqdm(range(-(-len(ds) // shard_rows)), desc="cache shards", mininterval=BAR_INTERVAL):
         name = f"shard_{s:05d}.safetensors"
         if name in done:
             shards.append(done[name])
             continue
         lo, hi = s * shard_rows, min((s + 1) * shard_rows, len(ds))
-        tensors = {}
-        for b in range(lo, hi, batch_size):
-            rows = list(range(b, min(b + batch_size, hi)))
-            T = max(lengths[r] for r in rows)
-            ids = torch.full((len(rows), T), pad, dtype=torch.long)
-            attn = torch.zeros((len(rows), T), dtype=torch.long)
-            for i, r in enumerate(rows):
-                ids[i, : lengths[r]] = torch.tensor(ds[r]["input_ids"])
-                attn[i, : lengths[r]] = 1
-            taps, last = target_forward(target, ids.to(device), attn.to(device), layer_ids)
-            for i, r in enumerate(rows):
-                for key, x in [("taps", taps[i, : lengths[r]]), ("last", last[i, : lengths[r]])]:
-                    for suffix, t in _encode(x.cpu(), dtype).items():
-                        tensors[f"{key}.{r}{suffix}"] = t
-                tensors[f"labels.{r}"] = greedy_labels(target, last[i, : lengths[r]])
-        tmp = out / f".{name}.tmp"
-        save_file(tensors, tmp)
-        match_umask(tmp)  # safetensors writes 0600
-        os.replace(tmp, out / name)  # a shard is either absent or complete
-        shards.append({"file": name, "rows": [lo, hi], "tokens": sum(lengths[lo:hi]), "sha256": file_sha256(out / name),
-                       "bytes": (out / name).stat().st_size})
+        tensors = _shard_tensors(target, ds, lo, hi, layer_ids, dtype, batch_size)
+        shards.append(_write_shard(out, name, tensors, (lo, hi), sum(lengths[lo:hi])))
         _write_json(out / PARTIAL, {**head, "shards": shards})
     manifest = {**head, "shards": shards, "bytes_on_disk": sum((out / s["file"]).stat().st_size for s in shards)}
     _write_json(out / MANIFEST, manifest)

@@ -1,0 +1,129 @@
+"""A corpus that grows at its end: `dflash-prepare --append-to` keeps the earlier rows and val split,
+`dflash-cache --append` keeps the earlier cache's full shards; both give what a fresh build of the grown
+data gives."""
+
+import json
+from pathlib import Path
+
+import pytest
+from datasets import load_from_disk
+
+import dflash_train.data.hs_cache as hs
+from conftest import ROOT, TINY_TARGET, run_main
+from dflash_train.cli import cache as cache_cli
+from dflash_train.cli import prepare as prepare_cli
+from dflash_train.core.errors import UserError
+from dflash_train.data.dataset import load_conversations
+
+TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
+TAPS = [1, 5]
+
+
+def corpus(path: Path, n: int) -> Path:
+    path.write_text("".join(TINY_DATA.read_text().splitlines(keepends=True)[:n]))
+    return path
+
+
+def prepare(tmp_path: Path, n: int, out: str, *extra) -> Path:
+    args = ["--input", corpus(tmp_path / f"c{n}.jsonl", n), "--format", "messages", "--target", TINY_TARGET,
+            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / out, *extra]
+    code, _, err = run_main(prepare_cli.main, args)
+    assert code == 0, err[-2000:]
+    return tmp_path / out
+
+
+@pytest.fixture(scope="module")
+def grown(tmp_path_factory):
+    """40 conversations prepared with a val split of 6, then the same corpus grown to 70, appended."""
+    d = tmp_path_factory.mktemp("grow")
+    small = prepare(d, 40, "small", "--val-size", "6", "--seed", "1")
+    big = prepare(d, 70, "big", "--append-to", small)
+    return d, small, big
+
+
+def rows(folder: Path) -> list:
+    ds = load_from_disk(str(folder))
+    return list(zip(ds["input_ids"], ds["loss_mask"]))
+
+
+def test_appended_data_keeps_the_old_rows_first_and_the_old_val(grown, tiny_target):
+    d, small, big = grown
+    old_train, old_val, new_train = rows(small / "train"), rows(small / "val"), rows(big / "train")
+    assert rows(big / "val") == old_val  # validation stays comparable across growth
+    assert new_train[: len(old_train)] == old_train  # a cache of the old train rows is a prefix of the new
+    # The rest are exactly the rows of conversations 41..70 a plain prepare keeps, in input order.
+    tail = prepare(d, 70, "plain")
+    plain = rows(tail)
+    assert new_train[len(old_train):] == [r for r in plain if r not in old_train and r not in old_val]
+    assert len(new_train) > len(old_train) and not set(map(str, new_train)) & set(map(str, old_val))
+    info = json.loads((big / "prepare_info.json").read_text())
+    assert info["appended_to"]["already_there"] == len(old_train) + len(old_val)
+    assert info["splits"] == {"train": len(new_train), "val": len(old_val)}
+    assert info["tokens"]["total"] == sum(len(r[0]) for r in new_train + old_val)
+    assert load_conversations(str(big / "train"), tiny_target.tokenizer, 128)["input_ids"] == [r[0] for r in new_train]
+
+
+@pytest.mark.parametrize("case, extra, expected", [
+    ("split_flags", ["--val-size", "3"], "--append-to keeps the earlier output's split"),
+    ("other_length", ["--max-length", "96"], "other settings (max_length 128 vs 96)"),
+    ("not_prepared", None, "is not a dflash-prepare output"),
+    ("same_folder", None, "are the same folder"),
+])
+def test_bad_append_is_one_line_and_writes_nothing(grown, tmp_path, case, extra, expected):
+    _, small, _ = grown
+    target, out = small, tmp_path / "out"
+    if case == "not_prepared":
+        target = tmp_path
+    if case == "same_folder":
+        out = small
+    args = ["--input", corpus(tmp_path / "c.jsonl", 50), "--format", "messages", "--target", TINY_TARGET,
+            "--min-supervised-tokens", "8", "--max-length", "128", "--output", out, "--append-to", target]
+    args += extra or []  # a flag given twice: argparse keeps the last
+    before = sorted(p.name for p in small.rglob("*"))
+    code, _, err = run_main(prepare_cli.main, args)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1 and expected in errors[0], err[-2000:]
+    assert not (tmp_path / "out").exists() and sorted(p.name for p in small.rglob("*")) == before
+
+
+def test_cache_append_keeps_full_shards_and_equals_a_fresh_build(grown, tiny_target, tmp_path, monkeypatch):
+    _, small, big = grown
+    old_ds = load_conversations(str(small / "train"), tiny_target.tokenizer, 128)
+    new_ds = load_conversations(str(big / "train"), tiny_target.tokenizer, 128)
+    out = tmp_path / "cache"
+    m0 = hs.build_cache(tiny_target, old_ds, TAPS, out, "float32", shard_rows=8)
+    assert len(old_ds) % 8  # the old cache ends in a short shard, which extending must rebuild
+    full = [s for s in m0["shards"] if s["rows"][1] - s["rows"][0] == 8]
+    stamps = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in full}
+
+    # Without --append: one line naming both ways out, nothing changed.
+    with pytest.raises(UserError, match="cache of the first .* rows: pass --append to extend it"):
+        hs.build_cache(tiny_target, new_ds, TAPS, out, "float32", shard_rows=8)
+    assert json.loads((out / "manifest.json").read_text()) == m0
+
+    # Extending runs the target only over rows it has not cached in a full shard.
+    seen = []
+    real = hs.target_forward
+    monkeypatch.setattr(hs, "target_forward", lambda t, ids, *a: seen.append(len(ids)) or real(t, ids, *a))
+    m1 = hs.build_cache(tiny_target, new_ds, TAPS, out, "float32", shard_rows=8, append=True)
+    assert sum(seen) == len(new_ds) - 8 * len(full)
+    assert {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in full} == stamps
+    monkeypatch.undo()
+
+    fresh = hs.build_cache(tiny_target, new_ds, TAPS, tmp_path / "fresh", "float32", shard_rows=8)
+    assert {k: v for k, v in m1.items() if k != "target"} == {k: v for k, v in fresh.items() if k != "target"}
+    cache = hs.open_cache(out, tiny_target, TAPS, new_ds)
+    last_row = len(new_ds) - 1
+    assert cache.batch([last_row], 128, "cpu", None)[0].shape[1] == 128
+
+    # Data that is not a continuation of the cached rows is another dataset: --append does not apply.
+    with pytest.raises(UserError, match="dataset_sha256 differ"):
+        hs.build_cache(tiny_target, new_ds.select(range(1, len(new_ds))), TAPS, out, "float32", shard_rows=8,
+                       append=True)
+
+
+def test_cache_cli_refuses_append_with_overwrite(grown, tmp_path):
+    _, _, big = grown
+    code, _, err = run_main(cache_cli.main, ["--data", big / "train", "--target", TINY_TARGET, "--output",
+                                             tmp_path / "c", "--append", "--overwrite"])
+    assert code == 2 and "pass one" in err and not (tmp_path / "c").exists()

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.model.variants.base import ChainDraft, Variant
+
 HEAD_TYPES = ("vanilla", "gated", "rnn")
 # Candidate tokens per depth that the draft tree applies the Markov bias to (see MarkovScorer).
 TREE_CANDIDATES = 256
@@ -92,9 +94,7 @@ class ConfidenceHead(nn.Module):
 
 
 def dspark_heads(config) -> tuple[MarkovHead | None, ConfidenceHead | None]:
-    """The heads a DrafterConfig asks for: none for variant dflash."""
-    if config.variant != "dspark":
-        return None, None
+    """The heads a DSpark DrafterConfig asks for (either may be None)."""
     markov = None
     if config.markov_rank > 0:
         markov = MarkovHead(config.vocab_size, config.markov_rank, config.hidden_size, config.markov_head_type)
@@ -295,3 +295,22 @@ def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weight
     normalised like the main loss. confidence_logits, alpha, weights [b, A, K]."""
     bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), alpha.detach().float(), reduction="none")
     return (bce * weights).sum() / normalizer
+
+
+class DSpark(Variant):
+    """The variant: the heads after the backbone, the Markov chain and tree."""
+    name = "dspark"
+
+    def chain(self, drafter, hidden, base_logits, bonus) -> ChainDraft:
+        """Each slot biased by the token drafted before it (`markov_chain`), and the confidence logits."""
+        tokens, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
+        return ChainDraft(tokens, confidence)
+
+    def states_confidence(self, drafter) -> bool:
+        return drafter.confidence_head is not None
+
+    def scorer(self, drafter, hidden, bonus):
+        return None if drafter.markov_head is None else MarkovScorer(drafter.markov_head, hidden, bonus)
+
+    def add_modules(self, drafter, config) -> None:
+        drafter.markov_head, drafter.confidence_head = dspark_heads(config)

@@ -7,12 +7,17 @@ from the backbone's marginals, no fields of its own.
 
     decoding      chain, states_confidence, scorer
     drafter       conv, add_modules
+    training      teacher_forced
+    recipes       drafter_fields, recipe_fields, grows_from, grown
+    checkpoints   check, draft_vocab, from_speculators, speculators_fields, native_refusal
 """
 
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from dflash_train.core.errors import UserError
 
 
 @dataclass
@@ -24,6 +29,18 @@ class ChainDraft:
 
 class Variant:
     name = "dflash"
+    # DrafterConfig fields of this variant (same names in the recipe's model section); model.init_from
+    # refuses a drafter whose fields differ from the recipe's
+    recipe_fields: tuple[str, ...] = ()
+    # variants whose drafter may start this one (model.init_from), and the state-dict prefixes of the
+    # modules it then adds fresh (DFlash2's convolutions too, at the identity: they are checked apart)
+    grows_from: tuple[str, ...] = ()
+    grown: tuple[str, ...] = ()
+    # whether it can draft in a draft vocabulary (model/vocab.py): DSpark's Markov bias and DFlash2's
+    # selector are [V, r] tables over the full vocabulary
+    draft_vocab = True
+    # why the native DFlash format (z-lab's config.json) cannot hold this drafter; None: it can
+    native_refusal: str | None = None
 
     # --- decoding ---------------------------------------------------------------------------------
 
@@ -50,3 +67,34 @@ class Variant:
 
     def add_modules(self, drafter: nn.Module, config) -> None:
         """Add this variant's modules to a drafter whose backbone is built and initialised."""
+
+    # --- training -----------------------------------------------------------------------------------
+
+    def teacher_forced(self, drafter, block_hidden: torch.Tensor, block_tokens: torch.Tensor) -> dict:
+        """What the variant's heads give on the true previous tokens, as training.blocks.BlockOutputs
+        fields: block_hidden [b, A, B, H] every slot's state, block_tokens [b, A, B] the true tokens."""
+        return {}
+
+    # --- recipes ------------------------------------------------------------------------------------
+
+    def drafter_fields(self, m, tc) -> dict:
+        """This variant's part of a DrafterConfig from the recipe's model section `m`, checked against
+        the target's config `tc` before anything is allocated ({}: DrafterConfig's defaults)."""
+        return {}
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def check(self, fields) -> None:
+        """What this variant needs of a drafter config.json's fields (raises ValueError)."""
+
+    def from_speculators(self, config: dict) -> dict:
+        """This variant's DrafterConfig fields from a Speculators config.json. dflash-train drafts B-1
+        tokens after the bonus token (slot 0), so only sample_from_anchor false is read."""
+        if config.get("sample_from_anchor"):
+            raise UserError("Speculators config has sample_from_anchor true: dflash-train reads only "
+                            "false (the bonus token at block slot 0, B-1 drafted tokens)")
+        return {}
+
+    def speculators_fields(self, cfg) -> dict:
+        """This variant's fields of its Speculators config (speculators' names), from a DrafterConfig."""
+        return {}

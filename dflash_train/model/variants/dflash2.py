@@ -29,8 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.core.errors import UserError
 from dflash_train.model.loss import slot_weights, until_first_failure
 from dflash_train.model.variants.base import ChainDraft, Variant
+
+# speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
+SPECULATORS_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                        "selector_top_k": 16}
 
 
 class GroupedDynamicConv(nn.Module):
@@ -287,8 +292,14 @@ class SelectorScorer:
 
 
 class DFlash2(Variant):
-    """The variant: local convolutions in every layer, the selector's chain and tree."""
+    """The variant: local convolutions in every layer, the selector's chain and tree, and DFlash2's fields."""
     name = "dflash2"
+    recipe_fields = tuple(SPECULATORS_DEFAULTS)  # conv_kernel_size, conv_group_size, selector_rank, _top_k
+    grows_from = ("dflash",)
+    grown = ("candidate_selector.",)
+    draft_vocab = False
+    native_refusal = ("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
+                      "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
 
     def chain(self, drafter, hidden, base_logits, bonus) -> ChainDraft:
         """vLLM's selector walk (`selector_chain`); base_logits are the unary logits."""
@@ -308,3 +319,37 @@ class DFlash2(Variant):
             layer.mlp_conv.reset_parameters()
         drafter.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
                                                        config.selector_rank, config.selector_top_k)
+
+    def drafter_fields(self, m, tc) -> dict:
+        if tc.hidden_size % m.conv_group_size:
+            raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden "
+                            f"size {tc.hidden_size}")
+        if m.conv_kernel_size > m.block_size:
+            raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size "
+                            f"{m.block_size}")
+        if m.selector_rank > tc.vocab_size:  # the codebooks are [V, r]: a rank above V adds nothing
+            raise UserError(f"model.selector_rank {m.selector_rank} exceeds the target's vocabulary "
+                            f"({tc.vocab_size})")
+        if m.selector_top_k > tc.vocab_size:
+            raise UserError(f"model.selector_top_k {m.selector_top_k} exceeds the target's vocabulary "
+                            f"({tc.vocab_size})")
+        return {"variant": "dflash2", **{k: getattr(m, k) for k in self.recipe_fields}}
+
+    def check(self, fields) -> None:
+        for k in self.recipe_fields:
+            if getattr(fields, k) < 1:
+                raise ValueError(f"a dflash2 drafter needs {k} >= 1, got {getattr(fields, k)}")
+
+    def from_speculators(self, config: dict) -> dict:
+        """Its full vocabulary is checked (speculators' DFlash2 requires it too)."""
+        super().from_speculators(config)
+        vocab = config["transformer_layer_config"]["vocab_size"]
+        if config.get("draft_vocab_size", vocab) != vocab:
+            raise UserError(f"DFlash2 config has draft_vocab_size {config['draft_vocab_size']} but a "
+                            f"{vocab}-token verifier vocabulary: DFlash2 drafts over the full vocabulary")
+        fields = {k: default if config.get(k) is None else int(config[k])
+                  for k, default in SPECULATORS_DEFAULTS.items()}
+        return {"variant": "dflash2", **fields}
+
+    def speculators_fields(self, cfg) -> dict:
+        return {k: getattr(cfg, k) for k in SPECULATORS_DEFAULTS}

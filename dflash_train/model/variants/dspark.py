@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.core.errors import UserError
 from dflash_train.model.variants.base import ChainDraft, Variant
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -298,8 +299,14 @@ def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weight
 
 
 class DSpark(Variant):
-    """The variant: the heads after the backbone, the Markov chain and tree."""
+    """The variant: the heads after the backbone, the Markov chain and tree, and DSpark's fields."""
     name = "dspark"
+    recipe_fields = ("markov_rank", "markov_head_type", "confidence_head")
+    grows_from = ("dflash",)
+    grown = ("markov_head.", "confidence_head.")
+    draft_vocab = False
+    native_refusal = ("the native DFlash format has no Markov or confidence head: export a DSpark drafter "
+                      "with --format speculators (served by vLLM as method dspark)")
 
     def chain(self, drafter, hidden, base_logits, bonus) -> ChainDraft:
         """Each slot biased by the token drafted before it (`markov_chain`), and the confidence logits."""
@@ -314,3 +321,43 @@ class DSpark(Variant):
 
     def add_modules(self, drafter, config) -> None:
         drafter.markov_head, drafter.confidence_head = dspark_heads(config)
+
+    def teacher_forced(self, drafter, block_hidden, block_tokens) -> dict:
+        u, confidence = teacher_forced(drafter, block_hidden, block_tokens)
+        return {"markov_u": u, "confidence_logits": confidence}
+
+    def drafter_fields(self, m, tc) -> dict:
+        if m.markov_rank > tc.vocab_size:  # W2(W1[x]) is a V x V bias: its rank is at most V
+            raise UserError(f"model.markov_rank {m.markov_rank} exceeds the target's vocabulary "
+                            f"({tc.vocab_size}): a rank above {tc.vocab_size} adds nothing")
+        return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
+                "confidence_head": m.confidence_head,
+                "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
+
+    def from_speculators(self, config: dict) -> dict:
+        """speculators' own default is sample_from_anchor true (B drafted tokens, slot 0 predicting the
+        token after the anchor); dflash-train drafts B-1 tokens after the bonus token, so only false is
+        read."""
+        if config.get("sample_from_anchor", True):  # speculators' DSpark default is true
+            raise UserError("DSpark config has sample_from_anchor true (or unset, speculators' default): "
+                            "dflash-train reads only false (the bonus token at block slot 0, B-1 drafted "
+                            "tokens)")
+        head_type = config.get("markov_head_type", "vanilla")
+        if head_type not in HEAD_TYPES:
+            raise UserError(f"DSpark config has an unknown markov_head_type '{head_type}'")
+        rank = int(config.get("markov_rank", 256))
+        confidence = bool(config.get("enable_confidence_head", True))
+        with_markov = confidence and bool(config.get("confidence_head_with_markov", True))
+        if with_markov and rank <= 0:
+            raise UserError("DSpark config has confidence_head_with_markov true but markov_rank 0")
+        vocab, size = config["transformer_layer_config"]["vocab_size"], config.get("draft_vocab_size")
+        if size is not None and size < vocab:  # above the vocabulary: refused for every variant (formats.py)
+            raise UserError(f"DSpark config has draft_vocab_size {size} < {vocab}: dflash-train's DSpark "
+                            "drafts over the full vocabulary")
+        return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type,
+                "confidence_head": confidence, "confidence_head_with_markov": with_markov}
+
+    def speculators_fields(self, cfg) -> dict:
+        return {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+                "enable_confidence_head": cfg.confidence_head,
+                "confidence_head_with_markov": cfg.confidence_head_with_markov}

@@ -10,6 +10,7 @@ from the backbone's marginals, no fields of its own.
     training      teacher_forced
     recipes       drafter_fields, recipe_fields, grows_from, grown
     checkpoints   check, draft_vocab, from_speculators, speculators_fields, native_refusal
+    evaluation    cost_key
 """
 
 from dataclasses import dataclass
@@ -98,3 +99,10 @@ class Variant:
     def speculators_fields(self, cfg) -> dict:
         """This variant's fields of its Speculators config (speculators' names), from a DrafterConfig."""
         return {}
+
+    # --- evaluation ---------------------------------------------------------------------------------
+
+    def cost_key(self, cfg) -> str | None:
+        """Which of benchmarks/gpu_costs.py's scored tree builds and chain walks this drafter decodes
+        with; None: the plain tree and the argmax chain."""
+        return None

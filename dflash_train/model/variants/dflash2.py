@@ -353,3 +353,6 @@ class DFlash2(Variant):
 
     def speculators_fields(self, cfg) -> dict:
         return {k: getattr(cfg, k) for k in SPECULATORS_DEFAULTS}
+
+    def cost_key(self, cfg) -> str | None:
+        return "dflash2" if cfg.selector_rank else None

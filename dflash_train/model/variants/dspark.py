@@ -361,3 +361,6 @@ class DSpark(Variant):
         return {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
                 "enable_confidence_head": cfg.confidence_head,
                 "confidence_head_with_markov": cfg.confidence_head_with_markov}
+
+    def cost_key(self, cfg) -> str | None:
+        return f"dspark-{cfg.markov_head_type}" if cfg.markov_rank else None

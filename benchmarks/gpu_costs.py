@@ -17,7 +17,7 @@ synchronised before and after every run (wall clock, so host work such as the tr
            width 1); the cache is cropped back to the prefix after each run; and the context axis
            (`verify_ms_by_context`): the same at --context-widths after each of --contexts tokens
            (N requests after P tokens each read N x P; dflash-eval's concurrency prediction needs it)
-  draft    one `decode.draft_block` (drafter pass on [bonus, MASK x (B-1)] + LM head on B-1 rows);
+  draft    one `proposers.draft_block` (drafter pass on [bonus, MASK x (B-1)] + LM head on B-1 rows);
            and `costs.draft_batch`, the same pass for --draft-batches requests at once (dflash-eval's
            --concurrency prediction reads `draft_ms_by_batch`)
   tree     `build_tree` on the drafter's [B-1, V] logits, per budget; and the path-conditioned trees
@@ -48,7 +48,8 @@ import torch
 from transformers import DynamicCache, Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.decoding.ddtree import build_tree, root_only_tree
-from dflash_train.decoding.decode import STAGES, decode, draft_block, draft_hidden, verify
+from dflash_train.decoding.decode import STAGES, decode, verify
+from dflash_train.decoding.proposers import draft_block, draft_hidden
 from dflash_train.evaluation.costs import CONTEXT_WIDTHS, draft_batch
 from dflash_train.model.drafter import ContextCache, DFlashDrafter, DrafterConfig
 from dflash_train.model.target import Target, taps_from_hidden_states
@@ -293,7 +294,8 @@ def main(argv=None):
             del long, ids
 
         draft_ms = median_ms(lambda: draft_block(drafter, target, ctx, bonus, start), args.repeats, device)
-        print(f"\ndraft: one decode.draft_block, block {L + 1}, {len(ctx)} context tokens: {draft_ms:.3f} ms")
+        print(f"\ndraft: one proposers.draft_block, block {L + 1}, {len(ctx)} context tokens: "
+              f"{draft_ms:.3f} ms")
         draft_by_batch = {}
         for c in args.draft_batches:  # c requests with equal contexts, one drafter pass
             ctx_c = ContextCache(drafter.config.num_hidden_layers)

@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 from dflash_train.core.errors import UserError
 from dflash_train.core.schema import Open, Strict, validated
 from dflash_train.model.drafter import DrafterConfig
+from dflash_train.model.variants import VARIANTS
 
 OURS, SPECULATORS, NATIVE = "dflash-train", "speculators", "dflash"
 
@@ -61,7 +62,7 @@ def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
         return
     if not 2 <= size < vocab:  # N = V is written as no draft vocabulary (null)
         raise ValueError(f"draft_vocab_size {size} must be in 2..{vocab - 1} (below the verifier's vocabulary)")
-    if variant != "dflash":
+    if not VARIANTS[variant].draft_vocab:
         raise ValueError(f"a {variant} drafter drafts over the full vocabulary: draft_vocab_size {size} < {vocab}")
 
 
@@ -97,10 +98,7 @@ class DrafterFields(Strict):
     @model_validator(mode="after")
     def _fits(self):
         check_draft_vocab(self.draft_vocab_size, self.vocab_size, self.variant)
-        if self.variant == "dflash2":
-            for k in DFLASH2_DEFAULTS:
-                if getattr(self, k) < 1:
-                    raise ValueError(f"a dflash2 drafter needs {k} >= 1, got {getattr(self, k)}")
+        VARIANTS[self.variant].check(self)
         check_sizes(self.vocab_size, self.mask_token_id, self.target_layer_ids, self.num_target_layers,
                     self.selector_top_k)
         return self
@@ -227,8 +225,9 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
             cfg = DrafterConfig(**_qwen3(tl), block_size=config["block_size"], mask_token_id=config["mask_token_id"],
                                 target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
                                 num_target_layers=extra.get("num_target_layers"),
-                                block_attention=_block_attention(tl.get("is_causal")), **_speculators_dspark(config),
-                                **_speculators_dflash2(config), draft_vocab_size=_speculators_draft_vocab(config))
+                                block_attention=_block_attention(tl.get("is_causal")),
+                                **VARIANTS[config["speculators_model_type"]].from_speculators(config),
+                                draft_vocab_size=_speculators_draft_vocab(config))
             verifier = config.get("speculators_config", {}).get("verifier", {})
             return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
                                                    "revision": (config.get("verifier_pin") or {}).get("revision")},
@@ -248,30 +247,6 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
         raise UserError(f"{fmt} config.json is missing or has a malformed field: {e}") from e
 
 
-def _speculators_dspark(config: dict) -> dict:
-    """The DSpark fields of a Speculators config.json (none for 'dflash'). speculators' own
-    default is sample_from_anchor true (B drafted tokens, slot 0 predicting the token after the
-    anchor); dflash-train drafts B-1 tokens after the bonus token, so only false is read."""
-    if config.get("speculators_model_type") != "dspark":
-        if config.get("sample_from_anchor"):
-            raise UserError("Speculators config has sample_from_anchor true: dflash-train reads only "
-                            "false (the bonus token at block slot 0, B-1 drafted tokens)")
-        return {}
-    if config.get("sample_from_anchor", True):  # speculators' DSpark default is true
-        raise UserError("DSpark config has sample_from_anchor true (or unset, speculators' default): dflash-train "
-                        "reads only false (the bonus token at block slot 0, B-1 drafted tokens)")
-    head_type = config.get("markov_head_type", "vanilla")
-    if head_type not in ("vanilla", "gated", "rnn"):
-        raise UserError(f"DSpark config has an unknown markov_head_type '{head_type}'")
-    rank = int(config.get("markov_rank", 256))
-    confidence = bool(config.get("enable_confidence_head", True))
-    with_markov = confidence and bool(config.get("confidence_head_with_markov", True))
-    if with_markov and rank <= 0:
-        raise UserError("DSpark config has confidence_head_with_markov true but markov_rank 0")
-    return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type, "confidence_head": confidence,
-            "confidence_head_with_markov": with_markov}
-
-
 def _speculators_draft_vocab(config: dict) -> int | None:
     """A Speculators config's draft vocabulary: None when it is the verifier's whole vocabulary."""
     vocab, size = config["transformer_layer_config"]["vocab_size"], config.get("draft_vocab_size")
@@ -279,27 +254,7 @@ def _speculators_draft_vocab(config: dict) -> int | None:
         return None
     if size > vocab:
         raise UserError(f"Speculators config has draft_vocab_size {size} above the verifier's vocabulary ({vocab})")
-    if config.get("speculators_model_type") == "dspark":
-        raise UserError(f"DSpark config has draft_vocab_size {size} < {vocab}: dflash-train's DSpark drafts over the "
-                        "full vocabulary")
-    return size
-
-
-# speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
-DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
-
-
-def _speculators_dflash2(config: dict) -> dict:
-    """The DFlash2 fields of a Speculators config.json (none for other types); its full vocabulary
-    is checked (speculators' DFlash2 requires it too; sample_from_anchor: see _speculators_dspark)."""
-    if config.get("speculators_model_type") != "dflash2":
-        return {}
-    vocab = config["transformer_layer_config"]["vocab_size"]
-    if config.get("draft_vocab_size", vocab) != vocab:
-        raise UserError(f"DFlash2 config has draft_vocab_size {config['draft_vocab_size']} but a {vocab}-token "
-                        "verifier vocabulary: DFlash2 drafts over the full vocabulary")
-    fields = {k: default if config.get(k) is None else int(config[k]) for k, default in DFLASH2_DEFAULTS.items()}
-    return {"variant": "dflash2", **fields}
+    return size  # below it: DSpark and DFlash2 refuse it in their from_speculators
 
 
 def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures: list[str], pin: dict,
@@ -315,17 +270,11 @@ def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures
     causal = cfg.block_attention == "causal"
     layer_config = cfg.qwen3_config()
     layer_config.is_causal = causal  # vLLM reads it before anything else (see the module docstring)
-    config_class, extra = DFlashSpeculatorConfig, {}
-    if cfg.variant == "dspark":
-        config_class = DSparkSpeculatorConfig
-        extra = {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
-                 "enable_confidence_head": cfg.confidence_head,
-                 "confidence_head_with_markov": cfg.confidence_head_with_markov}
-    elif cfg.variant == "dflash2":
-        config_class = DFlash2SpeculatorConfig  # architectures ["DFlash2DraftModel"]
-        extra = {k: getattr(cfg, k) for k in DFLASH2_DEFAULTS}
+    # DFlash2SpeculatorConfig's architectures are ["DFlash2DraftModel"]
+    config_class = {"dflash": DFlashSpeculatorConfig, "dspark": DSparkSpeculatorConfig,
+                    "dflash2": DFlash2SpeculatorConfig}[cfg.variant]
     return config_class(
-        **extra,
+        **VARIANTS[cfg.variant].speculators_fields(cfg),
         transformer_layer_config=layer_config,
         # full vocabulary: no lm_head / d2t / t2d are saved; a draft vocabulary's are (vLLM reads
         # d2t as draft_id_to_target_id and would fall back to the verifier's full head without lm_head)

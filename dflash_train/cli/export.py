@@ -101,12 +101,8 @@ def run(args) -> None:
     notes = read_notes(args.card_notes)
     drafter, meta = load_drafter(args.checkpoint)
     cfg = drafter.config
-    if cfg.variant == "dspark" and args.format == NATIVE:
-        raise UserError("the native DFlash format has no Markov or confidence head: export a DSpark drafter with "
-                        "--format speculators (served by vLLM as method dspark)")
-    if cfg.variant == "dflash2" and args.format == NATIVE:
-        raise UserError("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
-                        "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
+    if drafter.variant.native_refusal and args.format == NATIVE:
+        raise UserError(drafter.variant.native_refusal)
     if cfg.draft_vocab_size is not None and args.format == NATIVE:
         raise UserError(f"the native DFlash format has no draft vocabulary (this drafter drafts over "
                         f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens through its own lm_head / d2t): export "

@@ -9,13 +9,12 @@ measured by the same code, and each round is one target forward.
 
     result = decode(target, drafter, prompt_ids, method="ddtree", budget=64)
 
-A DSpark drafter drafts its chain with the Markov bias fed by its own drafted tokens
-(`dspark.markov_chain`), and its DDTree is path-conditioned (`dspark.MarkovScorer`), or built
-from the backbone's marginals alone with tree_scores="marginal".
-A DFlash2 drafter drafts its chain as vLLM walks its candidate selector (`dflash2.selector_chain`:
-each slot re-ranks its unary top-K given the token drafted before it), and its DDTree ranks each
-node's children by the selector given that node's token (`dflash2.SelectorScorer`), or is built
-from the unary marginals alone with tree_scores="marginal".
+What each method proposes is its `Proposer` (proposers.py); what a drafter drafts is its variant's
+(model/variants/): a DSpark drafter's chain carries the Markov bias of its own drafted tokens and
+its DDTree is path-conditioned (`dspark.MarkovScorer`); a DFlash2 drafter's chain walks its
+candidate selector as vLLM does and its DDTree ranks each node's children by the selector
+(`dflash2.SelectorScorer`). With tree_scores="marginal" either tree is built from the backbone's
+(unary) marginals alone.
 """
 
 import time
@@ -24,14 +23,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash_train.decoding.ddtree import (DraftTree, accept_walk, add_cells, build_tree, calibration_counts, chain_tree,
-                                          root_only_tree, spine_counts, tree_attention_mask)
-from dflash_train.model.drafter import ContextCache, DFlashDrafter
-from dflash_train.model.target import Target, taps_from_hidden_states
-from dflash_train.model.variants.dflash2 import SelectorScorer, selector_chain
-from dflash_train.model.variants.dspark import MarkovScorer, markov_chain
+from dflash_train.decoding.ddtree import DraftTree, accept_walk, tree_attention_mask
+from dflash_train.decoding.proposers import PROPOSERS, Proposer
+from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.target import Target
 
-METHODS = ("ar", "dflash", "ddtree")
+METHODS = tuple(PROPOSERS)  # ar, dflash, ddtree
 TREE_SCORES = ("conditional", "marginal")  # DSpark's / DFlash2's DDTree: path-conditioned, or from the marginals
 STAGES = ("draft", "tree", "verify", "commit")
 
@@ -83,32 +80,6 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 
-def draft_hidden(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
-    """One drafter pass on [bonus, MASK x (B-1)] at positions start..start+B-1 -> hidden [B, H]."""
-    B, device = drafter.config.block_size, target.embed.weight.device
-    block = torch.full((1, B), drafter.config.mask_token_id, device=device)
-    block[0, 0] = bonus
-    positions = torch.arange(start, start + B, device=device)[None]
-    return drafter.forward_cached(target.embed(block), positions, ctx)[0]  # [B, H]
-
-
-def tree_scorer(drafter: DFlashDrafter, hidden: torch.Tensor, bonus: int, tree_scores: str):
-    """The conditional scorer of this block's DDTree (hidden [B, H]), or None for the tree from the
-    marginals: DFlash, or tree_scores="marginal"."""
-    if tree_scores != "conditional":
-        return None
-    if drafter.markov_head is not None:
-        return MarkovScorer(drafter.markov_head, hidden, bonus)
-    if drafter.candidate_selector is not None:
-        return SelectorScorer(drafter.candidate_selector, hidden, bonus)
-    return None
-
-
-def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int, start: int) -> torch.Tensor:
-    """The backbone's block logits [B-1, V] (slots 1..B-1; -inf outside a draft vocabulary)."""
-    return drafter.full_logits(draft_hidden(drafter, target, ctx, bonus, start)[1:], target.lm_head)
-
-
 def verify(target: Target, cache: DynamicCache, tree: DraftTree, bonus: int, start: int, want_taps: bool):
     """One target forward over [bonus + tree nodes]; positions start + depth (siblings share
     one). Returns logits [n+1, V] and the hidden states (or None)."""
@@ -133,6 +104,35 @@ def commit(cache: DynamicCache, start: int, accepted: list[int]) -> None:
         cache.crop(-removed)  # a negative count removes that many trailing tokens
 
 
+def prefill(target: Target, proposer: Proposer, prompt_ids: torch.Tensor, result: DecodeResult,
+            temperature: float, generator: torch.Generator | None) -> tuple[DynamicCache, int, int]:
+    """The target reads the prompt [1, P] and picks the first token (the first bonus); the proposer takes
+    the prompt's taps. -> (the target's KV cache, bonus, start = P: the bonus token's position)."""
+    t0 = time.perf_counter()
+    cache = DynamicCache(config=target.model.config)
+    prompt_ids = prompt_ids.to(target.embed.weight.device)
+    out = target.model(input_ids=prompt_ids, past_key_values=cache, use_cache=True,
+                       output_hidden_states=proposer.uses_drafter)
+    bonus = int(choose(out.logits[0, -1:], temperature, generator)[0])
+    proposer.begin(result, out.hidden_states)
+    result.tokens.append(bonus)
+    result.prefill_s = time.perf_counter() - t0
+    return cache, bonus, prompt_ids.shape[1]
+
+
+def emit(result: DecodeResult, tree: DraftTree, accepted: list[int], bonus: int, stop_ids: set[int],
+         max_new_tokens: int) -> int:
+    """Append the round's accepted tokens and its bonus token to result.tokens, stopping exactly at a stop
+    token or at max_new_tokens. -> the last token appended (the next round's bonus)."""
+    emitted = [int(tree.tokens[i - 1]) for i in accepted[1:]] + [bonus]
+    result.accept_lengths.append(len(emitted))
+    for tok in emitted:
+        result.tokens.append(tok)
+        if tok in stop_ids or len(result.tokens) >= max_new_tokens:
+            return tok
+    return bonus
+
+
 @torch.no_grad()
 def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tensor, method: str = "ddtree",
            budget: int = 64, temperature: float = 0.0, max_new_tokens: int = 128,
@@ -144,77 +144,22 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if tree_scores not in TREE_SCORES:
         raise ValueError(f"tree_scores must be one of {TREE_SCORES}, got {tree_scores!r}")
-    device = target.embed.weight.device
-    use_drafter = method != "ar"
-    layer_ids = drafter.config.target_layer_ids if use_drafter else []
-
-    # Prefill: the target reads the prompt and picks the first token (the first bonus).
-    t0 = time.perf_counter()
-    cache = DynamicCache(config=target.model.config)
-    prompt_ids = prompt_ids.to(device)
-    out = target.model(input_ids=prompt_ids, past_key_values=cache, use_cache=True, output_hidden_states=use_drafter)
-    bonus = int(choose(out.logits[0, -1:], temperature, generator)[0])
-    start = prompt_ids.shape[1]  # = tokens in the target cache = the bonus token's position
-    ctx = ContextCache(drafter.config.num_hidden_layers) if use_drafter else None
-    if use_drafter:
-        drafter.extend_context(ctx, taps_from_hidden_states(out.hidden_states, layer_ids),
-                               torch.arange(start, device=device)[None])
-    result = DecodeResult(tokens=[bonus], prefill_s=time.perf_counter() - t0)
-    dspark = use_drafter and drafter.config.variant == "dspark"
-    calibrate = dspark and method == "dflash" and drafter.confidence_head is not None
-    if calibrate:
-        result.confidence = [[0.0] * (drafter.config.block_size - 1) for _ in range(3)]
-    clock = _Clock(result.stage_s, device)
+    proposer = PROPOSERS[method](target, drafter, budget, tree_scores)
+    result = DecodeResult(tokens=[])
+    cache, bonus, start = prefill(target, proposer, prompt_ids, result, temperature, generator)
+    clock = _Clock(result.stage_s, target.embed.weight.device)
 
     while len(result.tokens) < max_new_tokens and bonus not in stop_ids:
-        confidence = None
-        if method == "ar":
-            tree = root_only_tree()
-        else:
-            hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
-            # [B-1, V], the backbone's (DFlash2: the unary logits); -inf outside a draft vocabulary
-            base_logits = drafter.full_logits(hidden[1:], target.lm_head)
-            if method == "dflash" and dspark:  # the Markov chain: each slot biased by the token drafted before it
-                chain, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
-            elif method == "dflash" and drafter.candidate_selector is not None:  # DFlash2: the selector walk
-                chain = selector_chain(drafter.candidate_selector, hidden[1:], base_logits, bonus)
-            elif method == "dflash":
-                chain = base_logits.argmax(-1)
-            clock.lap("draft")
-            if method == "dflash":
-                tree = chain_tree(chain)
-            else:
-                tree = build_tree(base_logits, budget, tree_scorer(drafter, hidden, bonus, tree_scores))
+        tree = proposer.propose(bonus, start, clock)
         clock.lap("tree")
-
-        logits, hidden_states = verify(target, cache, tree, bonus, start, use_drafter)
+        logits, hidden_states = verify(target, cache, tree, bonus, start, proposer.uses_drafter)
         posterior = choose(logits, temperature, generator).tolist()  # the target's pick after each node
         accepted, bonus = accept_walk(tree, posterior)
         clock.lap("verify")
-        if use_drafter:  # diagnostics: does the best child under each accepted node name the target's next token?
-            counts = spine_counts(tree, accepted[1:], [posterior[i] for i in accepted[1:]])
-            result.spine = [a + c for a, c in zip(result.spine, counts)]
-            if method == "ddtree":
-                add_cells(result.calibration, calibration_counts(tree, accepted, posterior))
-        if confidence is not None:  # slots 1..a accepted, slot a+1 rejected, later ones never reached
-            a = len(accepted) - 1
-            for k, p in enumerate(torch.sigmoid(confidence.float()).tolist()[: a + 1]):
-                result.confidence[0][k] += p
-                result.confidence[1][k] += 1
-                result.confidence[2][k] += k < a
-
+        proposer.observe(result, tree, accepted, posterior)
         commit(cache, start, accepted)
-        if use_drafter:
-            rows = torch.tensor(accepted, device=device)
-            taps = taps_from_hidden_states(hidden_states, layer_ids)[:, rows]  # [1, len(accepted), n*H]
-            drafter.extend_context(ctx, taps, (start + torch.arange(len(accepted), device=device))[None])
+        proposer.extend(hidden_states, accepted, start)
         start += len(accepted)
-        emitted = [int(tree.tokens[i - 1]) for i in accepted[1:]] + [bonus]
-        result.accept_lengths.append(len(emitted))
-        for tok in emitted:  # stop exactly at a stop token or at max_new_tokens
-            result.tokens.append(tok)
-            if tok in stop_ids or len(result.tokens) >= max_new_tokens:
-                bonus = tok
-                break
+        bonus = emit(result, tree, accepted, bonus, stop_ids, max_new_tokens)
         clock.lap("commit")
     return result

@@ -23,6 +23,7 @@ from dflash_train.decoding.decode import STAGES
 from dflash_train.evaluation import speed
 from dflash_train.evaluation.loops import find_loop
 from dflash_train.evaluation.sweep import Sample
+from dflash_train.model.variants import VARIANTS
 
 
 def grid(samples: list[Sample], n_prompts: int, repeats: int, value) -> np.ndarray:
@@ -153,8 +154,7 @@ def measured_stages(n: int, R: int):
 def scorer_key(config, tree_scores: str) -> tuple[str | None, str | None]:
     """Which of gpu_costs.py's scored costs a drafter decodes with: (its DDTree's, its chain's
     walk), e.g. ("dspark-gated", "dspark-gated"); None: the plain tree, argmax chain."""
-    key = (f"dspark-{config.markov_head_type}" if config.variant == "dspark" and config.markov_rank
-           else "dflash2" if config.variant == "dflash2" and config.selector_rank else None)
+    key = VARIANTS[config.variant].cost_key(config)
     return (key if tree_scores == "conditional" else None), key
 
 
@@ -184,13 +184,18 @@ def device_costs_model(device_costs: dict, n: int, R: int, scores: tuple = (None
                           [c for c, _ in dt], np.array([[ms for _, ms in dt]]), **extra)
     draft = float(speed.at_width(curves.batches, curves.draft_ms, 1)[0])
 
+    def tree_ms(budget: int) -> float:  # the tree build at this budget; 0 when the file has none
+        if not tree:
+            return 0.0
+        return float(speed.at_width([b for b, _ in tree], np.array([ms for _, ms in tree]), budget))
+
+    # host work per round of one request, by method: AR none, the chain its walk, DDTree its tree build
+    host_ms = {"ar": lambda budget: 0.0, "dflash": lambda budget: walk, "ddtree": tree_ms}
+
     def stages(m, xs):
         method, budget = m
-        host = walk if method == "dflash" else 0.0
-        if method == "ddtree" and tree:
-            host = float(speed.at_width([b for b, _ in tree], np.array([ms for _, ms in tree]), budget))
         full = lambda v: np.full((n, R), v)  # noqa: E731
-        return {"draft": full(draft), "host": full(host),
+        return {"draft": full(draft), "host": full(host_ms[method](budget)),
                 "verify": full(float(speed.at_width(curves.widths, curves.verify_ms, budget + 1)[0]))}
 
     return curves, stages

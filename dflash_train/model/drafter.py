@@ -14,11 +14,11 @@ use of a layer's weights inside that layer's call.
 In-block attention (`block_attention`): "bidirectional" (DFlash: every slot sees the whole
 block) or "causal" (JetSpec-style: slot i sees slots <= i). Context visibility is the same.
 
-DFlash2 (`variant: dflash2`; z-lab/inco, speculators `models/dflash2/`) wraps each sublayer in a
-pair of token-conditioned grouped convolutions over the block's slots (`GroupedDynamicConv`):
-slot s mixes slots s-k+1..s of its OWN block (never the previous block), initialised to the
-identity, so an untrained DFlash2 computes DFlash. Its candidate selector lives in
-dflash_train/model/variants/dflash2.py.
+Variants (`variant`, dflash_train/model/variants/) add modules to this backbone: DSpark its heads,
+DFlash2 (z-lab/inco, speculators `models/dflash2/`) a pair of token-conditioned grouped convolutions
+around each sublayer (`dflash2.GroupedDynamicConv`: slot s mixes slots s-k+1..s of its OWN block,
+never the previous block, initialised to the identity, so an untrained DFlash2 computes DFlash) and
+its candidate selector.
 
 The target's embeddings and LM head are shared and frozen; they are NOT part of this
 module (its state_dict is exactly the trainable weights, named as Speculators names
@@ -46,9 +46,10 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from dflash_train.model.variants import dflash2
+from dflash_train.model.variants import VARIANTS
+from dflash_train.model.variants.base import Variant
+from dflash_train.model.variants.dflash2 import GroupedDynamicConv
 from dflash_train.model.vocab import DraftVocab
-from dflash_train.model.variants.dspark import dspark_heads
 
 
 @dataclass
@@ -154,53 +155,6 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
-class GroupedDynamicConv(nn.Module):
-    """DFlash2's two local convolutions around one sublayer (speculators' GroupedDynamicCausalConv).
-
-    Over the slots s of each block, with G = H / group_size channel groups and k taps:
-        conv(x)[s, c] = sum_{j < k, j <= s} (base[j, c] + delta[s, j, group(c)]) * x[s - j, c]
-    delta = kernel_projection(sublayer input) [q, 2, k, G]: one projection gives the input-side
-    kernel (applied before the sublayer) and the output-side one (applied to its output). Taps
-    that would reach before slot 0 read zeros, so a block never sees the previous one. Identity
-    initialisation: base[:, 0] = 1, the rest and kernel_projection 0."""
-
-    def __init__(self, hidden_size: int, block_size: int, kernel_size: int, group_size: int):
-        super().__init__()
-        self.block_size, self.kernel_size, self.group_size = block_size, kernel_size, group_size
-        self.num_groups = hidden_size // group_size
-        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [input/output side, k, H]
-        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        with torch.no_grad():
-            self.base_kernel.zero_()
-            self.base_kernel[:, 0] = 1.0
-            self.kernel_projection.weight.zero_()
-
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [b, q, H] (q whole blocks) -> (the input-side convolution of x, the output side's
-        dynamic kernel [b, q, k, G], both from x)."""
-        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
-        return self._convolve(x, delta[..., 0, :, :], 0), delta[..., 1, :, :]
-
-    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """The output-side convolution of the sublayer's output y [b, q, H] with prepare's kernel."""
-        return self._convolve(y, delta, 1)
-
-    def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
-        b, q, H = x.shape
-        B, k, G, g = self.block_size, self.kernel_size, self.num_groups, self.group_size
-        xs = x.view(b, q // B, B, G, g)  # [b, blocks, slot, group, channel in group]
-        coef = self.base_kernel[side].to(x.dtype).view(k, G, g) + delta.reshape(b, q // B, B, k, G, 1)
-        out = xs * coef[..., 0, :, :]
-        for j in range(1, k):
-            # slot s reads slot s - j of the same block; the first j slots read zeros
-            shifted = F.pad(xs[:, :, :-j], (0, 0, 0, 0, j, 0))
-            out = out + shifted * coef[..., j, :, :]
-        return out.view(b, q, H)
-
-
 class DFlashDecoderLayer(nn.Module):
     """Pre-norm Qwen3 layer whose attention also sees the context K/V (projected here, by this
     layer); for DFlash2 each sublayer runs between the two sides of its GroupedDynamicConv."""
@@ -284,29 +238,28 @@ class DFlashDrafter(nn.Module):
         n_taps = len(config.target_layer_ids)
         self.fc = nn.Linear(n_taps * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        conv = None
-        if config.variant == "dflash2":
-            conv = (config.block_size, config.conv_kernel_size, config.conv_group_size)
+        conv = self.variant.conv(config)
         self.layers = nn.ModuleList(DFlashDecoderLayer(c, i, conv) for i in range(c.num_hidden_layers))
         self.norm = Qwen3RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(c)  # inv_freq is a non-persistent buffer
         self.gradient_checkpointing = False  # training sets it from the recipe
         self.flex_attention = False  # training forward: block-sparse flex attention instead of a dense mask
         self.apply(self._init_weights)
-        # DSpark's heads (None for DFlash), applied by the caller after the backbone (model/variants/dspark.py)
-        self.markov_head, self.confidence_head = dspark_heads(config)
-        for layer in self.layers:  # DFlash2: back to the identity that _init_weights overwrote
-            for conv_ in (layer.attention_conv, layer.mlp_conv):
-                if conv_ is not None:
-                    conv_.reset_parameters()
-        # DFlash2's candidate selector (None otherwise), applied by the caller after the LM head
-        self.candidate_selector = dflash2.candidate_selector(config)
+        # DSpark's heads, applied by the caller after the backbone, and DFlash2's candidate selector, after
+        # the LM head: None unless the variant adds them (model/variants/)
+        self.markov_head = self.confidence_head = self.candidate_selector = None
+        self.variant.add_modules(self, config)
         self.lm_head = None  # the draft vocabulary's frozen head (set_draft_vocab fills it and d2t / t2d)
         if config.draft_vocab_size is not None:
             n = config.draft_vocab_size
             self.lm_head = nn.Linear(c.hidden_size, n, bias=False).requires_grad_(False)
             self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))  # int64 [N] offsets: target id = i + d2t[i]
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # bool [V]
+
+    @property
+    def variant(self) -> Variant:
+        """What config.variant adds to the backbone and how it drafts (model/variants/)."""
+        return VARIANTS[self.config.variant]
 
     def set_draft_vocab(self, vocab: DraftVocab, target_head: torch.Tensor) -> None:
         """Fill the frozen head with the target's rows of the kept tokens (target_head [V, H]) and

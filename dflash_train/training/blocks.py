@@ -6,8 +6,8 @@ every drafted slot k = 1..B-1 the drafter's hidden state, the target's hidden st
 predicts the same token, the data's token there, and whether the slot counts (inside the
 sequence, on an assistant token, anchor valid). Both go through the target's LM head in the
 loss, chunk by chunk (dflash_train/model/loss.py): [b, A, K, V] logits are never built whole.
-A DSpark drafter's heads run on the true previous tokens (teacher forcing): its Markov vectors
-u (the bias is u . W2, added in the loss's chunks) and confidence logits come along.
+A variant's heads run on the true previous tokens (teacher forcing, `Variant.teacher_forced`): DSpark's
+Markov vectors u (the bias is u . W2, added in the loss's chunks) and confidence logits come along.
 """
 
 from dataclasses import dataclass
@@ -19,7 +19,6 @@ from dflash_train.data.dataset import Batch, anchor_keys, block_labels_index, sa
 from dflash_train.data.hs_cache import HiddenStateCache
 from dflash_train.decoding.ddtree import build_tree, spine_counts
 from dflash_train.model.target import Target, target_forward
-from dflash_train.model.variants import dspark
 
 
 @dataclass
@@ -66,7 +65,7 @@ def block_slots(batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor,
 def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
                     block_size: int, mask_id: int, cache: HiddenStateCache | None = None) -> BlockOutputs:
     """One target pass (or a cache read) and one drafter pass over every anchored block of the batch,
-    then a DSpark drafter's heads on the true previous tokens."""
+    then the variant's heads (DSpark's) on the true previous tokens."""
     ids = batch.input_ids
     b, T = ids.shape
     A, K = anchors.shape[1], block_size - 1
@@ -91,12 +90,10 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
     # slots 1..B-1, made contiguous: the LM head is then one matmul per chunk, not A small batched ones
     hidden = block_hidden[:, :, 1:].contiguous()
     model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
-    if model.config.variant != "dspark":
-        return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0],
-                            cached_labels=labels)
     block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)  # [b, A, B] the true tokens at slots 0..B-1
-    u, confidence = dspark.teacher_forced(model, block_hidden, block_tokens)
-    return BlockOutputs(hidden, t_hidden, tokens, valid, u, confidence, block_hidden, block_ids[:, :, 0], labels)
+    heads = model.variant.teacher_forced(model, block_hidden, block_tokens)  # DSpark: markov_u, confidence_logits
+    return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0],
+                        cached_labels=labels, **heads)
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],

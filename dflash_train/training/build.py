@@ -9,12 +9,9 @@ from dflash_train.core.errors import UserError
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
 from dflash_train.model.target import Target, build_target_layer_ids, check_tap_layers
+from dflash_train.model.variants import VARIANTS
 from dflash_train.model.vocab import build_draft_vocab, check_size, count_supervised
 from dflash_train.training.config import ModelConfig
-
-# Variants a DFlash drafter can start (model.init_from): the prefixes of the modules they add fresh
-# (DFlash2 also adds layers.N.{attention_conv, mlp_conv}, at the identity).
-GROWN = {"dspark": ("markov_head.", "confidence_head."), "dflash2": ("candidate_selector.",)}
 
 
 def mask_token_id(target: Target, mask_token: str, given_id: int | None = None) -> int:
@@ -46,8 +43,8 @@ def drafter_config_for(target: Target, m: ModelConfig) -> DrafterConfig:
         mask_token_id=mask_token_id(target, m.mask_token, m.mask_token_id), target_layer_ids=list(layer_ids),
         num_target_layers=tc.num_hidden_layers, rms_norm_eps=tc.rms_norm_eps,
         max_position_embeddings=tc.max_position_embeddings, rope_parameters=dict(tc.rope_parameters),
-        attention_bias=tc.attention_bias, block_attention=m.block_attention, **dspark_fields(m, tc),
-        **dflash2_fields(m, tc), draft_vocab_size=draft_vocab_size(m, tc),
+        attention_bias=tc.attention_bias, block_attention=m.block_attention,
+        **VARIANTS[m.variant].drafter_fields(m, tc), draft_vocab_size=draft_vocab_size(m, tc),
     )
 
 
@@ -75,37 +72,6 @@ def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds, val_ds=
     if val_ds is not None:
         out["val_coverage"] = round(vocab.coverage(count_supervised(zip(val_ds["input_ids"], val_ds["loss_mask"]))), 4)
     return out
-
-
-def dspark_fields(m: ModelConfig, tc) -> dict:
-    """The DSpark part of a DrafterConfig (its defaults for DFlash), checked against the target's
-    config `tc` before anything is allocated."""
-    if m.variant != "dspark":
-        return {}
-    if m.markov_rank > tc.vocab_size:  # W2(W1[x]) is a V x V bias: its rank is at most V
-        raise UserError(f"model.markov_rank {m.markov_rank} exceeds the target's vocabulary ({tc.vocab_size}): "
-                        f"a rank above {tc.vocab_size} adds nothing")
-    return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
-            "confidence_head": m.confidence_head,
-            "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
-
-
-def dflash2_fields(m: ModelConfig, tc) -> dict:
-    """The DFlash2 part of a DrafterConfig (its zero defaults for DFlash), checked against the
-    target's config `tc`."""
-    if m.variant != "dflash2":
-        return {}
-    if tc.hidden_size % m.conv_group_size:
-        raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden size "
-                        f"{tc.hidden_size}")
-    if m.conv_kernel_size > m.block_size:
-        raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size {m.block_size}")
-    if m.selector_rank > tc.vocab_size:  # the codebooks are [V, r]: a rank above V adds nothing
-        raise UserError(f"model.selector_rank {m.selector_rank} exceeds the target's vocabulary ({tc.vocab_size})")
-    if m.selector_top_k > tc.vocab_size:
-        raise UserError(f"model.selector_top_k {m.selector_top_k} exceeds the target's vocabulary ({tc.vocab_size})")
-    return {"variant": "dflash2", "conv_kernel_size": m.conv_kernel_size, "conv_group_size": m.conv_group_size,
-            "selector_rank": m.selector_rank, "selector_top_k": m.selector_top_k}
 
 
 def copy_target_layers(drafter: DFlashDrafter, target: Target) -> list[int]:
@@ -143,27 +109,22 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
         return drafter
     drafter, _ = load_drafter(m.init_from)
     check_matches_target(drafter.config, target)
-    loaded = drafter.config
+    loaded, variant = drafter.config, VARIANTS[cfg.variant]
+    grow = loaded.variant in variant.grows_from  # a DFlash drafter under fresh DSpark heads / DFlash2 modules
     fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
               ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
               ("block_attention", "block_attention"), ("variant", "variant"),
-              ("draft_vocab_size", "draft_vocab_size")]
-    if loaded.variant == "dspark":
-        fields += [("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type"),
-                   ("confidence_head", "confidence_head")]
-    if loaded.variant == "dflash2":
-        fields += [("conv_kernel_size", "conv_kernel_size"), ("conv_group_size", "conv_group_size"),
-                   ("selector_rank", "selector_rank"), ("selector_top_k", "selector_top_k")]
+              ("draft_vocab_size", "draft_vocab_size")] + [(k, k) for k in drafter.variant.recipe_fields]
     for key, field in fields:
-        if key == "variant" and loaded.variant == "dflash" and cfg.variant in GROWN:
+        if key == "variant" and grow:
             continue
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
                             f"{getattr(cfg, field)}: set model.{key} to match")
-    if loaded.variant != cfg.variant:  # a DFlash drafter under fresh DSpark heads / DFlash2 modules
+    if grow:
         grown = DFlashDrafter(cfg)
         missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
-        assert not unexpected and all(k.startswith(GROWN[cfg.variant]) or "_conv." in k for k in missing)
+        assert not unexpected and all(k.startswith(variant.grown) or "_conv." in k for k in missing)
         return grown
     loaded.num_target_layers = cfg.num_target_layers
     return drafter

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dflash_train.decoding.decode as decode_module
+import dflash_train.decoding.proposers as proposers
 from conftest import chat_prompt
 from draft_vocab_run import draft_vocab_run
 from dflash_train.checkpoint.folders import load_drafter
@@ -107,7 +108,7 @@ def test_the_cost_models_draft_batch_drafts_in_the_vocabulary_as_decoding_does(t
     drafter.extend_context(one, taps, torch.arange(P)[None])
     drafter.extend_context(three, taps.expand(3, -1, -1), torch.arange(P).expand(3, P))
     bonus = int(ids[0, -1])
-    single = decode_module.draft_block(drafter, tiny_target, one, bonus, P)
+    single = proposers.draft_block(drafter, tiny_target, one, bonus, P)
     batch = draft_batch(drafter, tiny_target, three, torch.full((3,), bonus), P)
     assert batch.shape == (3, drafter.config.block_size - 1, drafter.config.vocab_size)
     for row in batch:

@@ -1,8 +1,10 @@
-"""DFlash2's candidate selector (z-lab/inco; speculators `models/dflash2/`, vLLM 0.33 `qwen3_dflash2.py`).
+"""DFlash2: local convolutions and a candidate selector (z-lab/inco; speculators `models/dflash2/`, vLLM 0.33
+`qwen3_dflash2.py`).
 
-The backbone (DFlash with local convolutions, dflash_train/model/drafter.py) gives each drafted slot t
-unary logits U_t = lm_head(h_t). The selector re-ranks slot t's top-K unary candidates C_t given
-the token a at slot t-1 (for slot 1: the bonus token):
+The backbone (DFlash, dflash_train/model/drafter.py, with each sublayer between the two sides of a
+`GroupedDynamicConv`) gives each drafted slot t unary logits U_t = lm_head(h_t). The selector
+re-ranks slot t's top-K unary candidates C_t given the token a at slot t-1 (for slot 1: the bonus
+token):
 
     S_t(a, b) = U_t(b) + < P[a] * (W_h h_t), Q[b] >        b in C_t (K = selector_top_k)
 
@@ -27,7 +29,60 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.core.errors import UserError
 from dflash_train.model.loss import slot_weights, until_first_failure
+from dflash_train.model.variants.base import ChainDraft, Variant
+
+# speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
+SPECULATORS_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                        "selector_top_k": 16}
+
+
+class GroupedDynamicConv(nn.Module):
+    """DFlash2's two local convolutions around one sublayer (speculators' GroupedDynamicCausalConv).
+
+    Over the slots s of each block, with G = H / group_size channel groups and k taps:
+        conv(x)[s, c] = sum_{j < k, j <= s} (base[j, c] + delta[s, j, group(c)]) * x[s - j, c]
+    delta = kernel_projection(sublayer input) [q, 2, k, G]: one projection gives the input-side
+    kernel (applied before the sublayer) and the output-side one (applied to its output). Taps
+    that would reach before slot 0 read zeros, so a block never sees the previous one. Identity
+    initialisation: base[:, 0] = 1, the rest and kernel_projection 0."""
+
+    def __init__(self, hidden_size: int, block_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.block_size, self.kernel_size, self.group_size = block_size, kernel_size, group_size
+        self.num_groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))  # [input/output side, k, H]
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.num_groups, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, q, H] (q whole blocks) -> (the input-side convolution of x, the output side's
+        dynamic kernel [b, q, k, G], both from x)."""
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.kernel_size, self.num_groups)
+        return self._convolve(x, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """The output-side convolution of the sublayer's output y [b, q, H] with prepare's kernel."""
+        return self._convolve(y, delta, 1)
+
+    def _convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        b, q, H = x.shape
+        B, k, G, g = self.block_size, self.kernel_size, self.num_groups, self.group_size
+        xs = x.view(b, q // B, B, G, g)  # [b, blocks, slot, group, channel in group]
+        coef = self.base_kernel[side].to(x.dtype).view(k, G, g) + delta.reshape(b, q // B, B, k, G, 1)
+        out = xs * coef[..., 0, :, :]
+        for j in range(1, k):
+            # slot s reads slot s - j of the same block; the first j slots read zeros
+            shifted = F.pad(xs[:, :, :-j], (0, 0, 0, 0, j, 0))
+            out = out + shifted * coef[..., j, :, :]
+        return out.view(b, q, H)
 
 
 class CandidateSelector(nn.Module):
@@ -48,13 +103,6 @@ class CandidateSelector(nn.Module):
         codebook is read by the caller for the candidates only (`candidate_scores`)."""
         projected = self.hidden_projection(hidden)
         return self.predecessor_codebook[predecessors] * projected.to(self.predecessor_codebook.dtype)
-
-
-def candidate_selector(config) -> CandidateSelector | None:
-    """The selector a DrafterConfig asks for: None unless variant dflash2."""
-    if config.variant != "dflash2":
-        return None
-    return CandidateSelector(config.vocab_size, config.hidden_size, config.selector_rank, config.selector_top_k)
 
 
 def predecessors(block_tokens: torch.Tensor) -> torch.Tensor:
@@ -241,3 +289,70 @@ class SelectorScorer:
             return logp_rows[depth][p], ids_rows[depth][p], None
 
         return expand, self.bonus, None
+
+
+class DFlash2(Variant):
+    """The variant: local convolutions in every layer, the selector's chain and tree, and DFlash2's fields."""
+    name = "dflash2"
+    recipe_fields = tuple(SPECULATORS_DEFAULTS)  # conv_kernel_size, conv_group_size, selector_rank, _top_k
+    grows_from = ("dflash",)
+    grown = ("candidate_selector.",)
+    draft_vocab = False
+    native_refusal = ("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
+                      "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
+
+    def chain(self, drafter, hidden, base_logits, bonus) -> ChainDraft:
+        """vLLM's selector walk (`selector_chain`); base_logits are the unary logits."""
+        return ChainDraft(selector_chain(drafter.candidate_selector, hidden[1:], base_logits, bonus))
+
+    def scorer(self, drafter, hidden, bonus):
+        return SelectorScorer(drafter.candidate_selector, hidden, bonus)
+
+    def conv(self, config) -> tuple[int, int, int]:
+        return config.block_size, config.conv_kernel_size, config.conv_group_size
+
+    def add_modules(self, drafter, config) -> None:
+        """The convolutions back to the identity that the backbone's initialisation overwrote, then the
+        selector (applied by the caller after the LM head)."""
+        for layer in drafter.layers:
+            layer.attention_conv.reset_parameters()
+            layer.mlp_conv.reset_parameters()
+        drafter.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
+                                                       config.selector_rank, config.selector_top_k)
+
+    def drafter_fields(self, m, tc) -> dict:
+        if tc.hidden_size % m.conv_group_size:
+            raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden "
+                            f"size {tc.hidden_size}")
+        if m.conv_kernel_size > m.block_size:
+            raise UserError(f"model.conv_kernel_size {m.conv_kernel_size} exceeds model.block_size "
+                            f"{m.block_size}")
+        if m.selector_rank > tc.vocab_size:  # the codebooks are [V, r]: a rank above V adds nothing
+            raise UserError(f"model.selector_rank {m.selector_rank} exceeds the target's vocabulary "
+                            f"({tc.vocab_size})")
+        if m.selector_top_k > tc.vocab_size:
+            raise UserError(f"model.selector_top_k {m.selector_top_k} exceeds the target's vocabulary "
+                            f"({tc.vocab_size})")
+        return {"variant": "dflash2", **{k: getattr(m, k) for k in self.recipe_fields}}
+
+    def check(self, fields) -> None:
+        for k in self.recipe_fields:
+            if getattr(fields, k) < 1:
+                raise ValueError(f"a dflash2 drafter needs {k} >= 1, got {getattr(fields, k)}")
+
+    def from_speculators(self, config: dict) -> dict:
+        """Its full vocabulary is checked (speculators' DFlash2 requires it too)."""
+        super().from_speculators(config)
+        vocab = config["transformer_layer_config"]["vocab_size"]
+        if config.get("draft_vocab_size", vocab) != vocab:
+            raise UserError(f"DFlash2 config has draft_vocab_size {config['draft_vocab_size']} but a "
+                            f"{vocab}-token verifier vocabulary: DFlash2 drafts over the full vocabulary")
+        fields = {k: default if config.get(k) is None else int(config[k])
+                  for k, default in SPECULATORS_DEFAULTS.items()}
+        return {"variant": "dflash2", **fields}
+
+    def speculators_fields(self, cfg) -> dict:
+        return {k: getattr(cfg, k) for k in SPECULATORS_DEFAULTS}
+
+    def cost_key(self, cfg) -> str | None:
+        return "dflash2" if cfg.selector_rank else None

@@ -24,6 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.core.errors import UserError
+from dflash_train.model.variants.base import ChainDraft, Variant
+
 HEAD_TYPES = ("vanilla", "gated", "rnn")
 # Candidate tokens per depth that the draft tree applies the Markov bias to (see MarkovScorer).
 TREE_CANDIDATES = 256
@@ -92,9 +95,7 @@ class ConfidenceHead(nn.Module):
 
 
 def dspark_heads(config) -> tuple[MarkovHead | None, ConfidenceHead | None]:
-    """The heads a DrafterConfig asks for: none for variant dflash."""
-    if config.variant != "dspark":
-        return None, None
+    """The heads a DSpark DrafterConfig asks for (either may be None)."""
     markov = None
     if config.markov_rank > 0:
         markov = MarkovHead(config.vocab_size, config.markov_rank, config.hidden_size, config.markov_head_type)
@@ -195,74 +196,98 @@ class MarkovScorer:
         for `ddtree.best_first`. expand(token, carry, depth) scores the children of a node at
         `depth` carrying `token`: (logp [K'], ids [K'], the carry its children share), K' = min(K, M).
         The [L, V] work runs on draft_logits' device, the per-node work on float32 numpy arrays."""
-        head = self.head
-        logits = draft_logits.float()
-        L, V = logits.shape
+        head, V = self.head, draft_logits.shape[-1]
         M, K = min(self.candidates, V), min(K, self.candidates, V)
-        vals, ids = torch.topk(logits, M, dim=-1)  # [L, M] each depth's candidates, best first
-        lse = torch.logsumexp(logits, dim=-1)  # [L]
-        vals, ids_np, lse = vals.cpu().numpy(), ids.cpu().numpy(), lse.cpu().numpy().astype(np.float64)
-        if M < V:  # log-mass of the non-candidates (they keep their backbone logits)
-            cand_mass = np.exp(vals.astype(np.float64) - lse[:, None]).sum(-1)  # [L]
-            with np.errstate(divide="ignore"):
-                rest = (lse + np.log(np.maximum(1.0 - cand_mass, 0.0))).astype(np.float32)
-        else:
-            rest = np.full(L, -np.inf, dtype=np.float32)
-
-        r, H = head.rank, self.hidden.shape[-1]
-        w1_full, w2_full = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
-
-        def rows(w: torch.Tensor, index) -> np.ndarray:
-            """Rows of a weight (on its device, any dtype) as float32 numpy."""
-            index = torch.as_tensor(index, device=w.device)
-            return w.index_select(0, index.reshape(-1)).view(*index.shape, -1).to("cpu", torch.float32).numpy()
-
-        w1_rows: dict[int, tuple[np.ndarray, dict]] = {}  # depth -> (W1 of its candidates [M, r], token -> row)
-        w2_rows: dict[int, np.ndarray] = {}  # depth -> W2 of its candidates [M, r]
-
-        def w1_of(depth: int, token: int) -> np.ndarray:
-            if depth not in w1_rows:
-                w1_rows[depth] = rows(w1_full, ids_np[depth - 1]), dict(zip(ids_np[depth - 1].tolist(), range(M)))
-            table, column = w1_rows[depth]
-            return table[column[token]]
-
-        # gated: gate = sigmoid(G_h h_k + g + G_e e); rnn: [a; c; o] = J_s s + J_e e + J_h h_k + j.
-        # The h_k part depends on the slot only: one matmul for all slots (reads G_h / J_h once).
-        proj = head.gate_proj if head.head_type == "gated" else head.joint_proj
-        if proj is not None:
-            w = proj.weight.detach()
-            w_h = w[:, :H] if head.head_type == "gated" else w[:, 2 * r:]  # gate_proj reads [h ; e], joint [s ; e ; h]
-            slot_part = torch.addmm(proj.bias.detach(), self.hidden.to(w.device, w.dtype), w_h.T)
-            slot_part = slot_part.to("cpu", torch.float32).numpy()  # [B, r] or [B, 3r]
-            # the rest of the weight: G_e [r, r], or [J_s J_e] [3r, 2r] applied to [s ; e] at once
-            emb_w = (w[:, H:] if head.head_type == "gated" else w[:, :2 * r]).to("cpu", torch.float32).numpy()
-
-        def vector(e: np.ndarray, carry, slot: int):
-            """u of block slot `slot` after a token with W1 row e, and the state after it (rnn)."""
-            if head.head_type == "vanilla":
-                return e, None
-            if head.head_type == "gated":
-                return e / (1.0 + np.exp(-(slot_part[slot] + emb_w @ e))), None
-            a, c, o = np.split(slot_part[slot] + emb_w @ np.concatenate([carry, e]), 3)
-            gate = 1.0 / (1.0 + np.exp(-a))
-            return np.tanh(o), gate * carry + (1.0 - gate) * np.tanh(c)
-
-        bonus_emb = rows(w1_full, [self.bonus])[0]  # [r]
+        cands = _Candidates(draft_logits, M, head)
+        step = _MarkovStep(head, self.hidden)
+        bonus_emb = _rows(head.markov_w1.weight.detach(), [self.bonus])[0]  # [r]
 
         def expand(token: int, carry, depth: int):
-            u, child_carry = vector(bonus_emb if depth == 0 else w1_of(depth, token), carry, depth + 1)
-            if depth not in w2_rows:
-                w2_rows[depth] = rows(w2_full, ids_np[depth])
-            z = vals[depth] + w2_rows[depth] @ u  # [M] the candidates' logits with the bias
+            u, child_carry = step(bonus_emb if depth == 0 else cands.w1_of(depth, token), carry, depth + 1)
+            z = cands.vals[depth] + cands.w2_of(depth) @ u  # [M] the candidates' logits with the bias
             peak = z.max()
-            log_norm = np.logaddexp(rest[depth], peak + np.log(np.exp(z - peak).sum()))
+            log_norm = np.logaddexp(cands.rest[depth], peak + np.log(np.exp(z - peak).sum()))
             order = np.argsort(-z, kind="stable")[:K]  # ties: the better backbone rank first
-            return (z[order] - log_norm).tolist(), ids_np[depth, order].tolist(), child_carry
+            return (z[order] - log_norm).tolist(), cands.ids[depth, order].tolist(), child_carry
 
         root_carry = None
         if head.head_type == "rnn":  # slot 0 advances the state (its own prediction is not drafted)
-            _, root_carry = vector(bonus_emb, np.zeros(r, dtype=np.float32), 0)
+            _, root_carry = step(bonus_emb, np.zeros(head.rank, dtype=np.float32), 0)
         return expand, self.bonus, root_carry
+
+
+def _rows(w: torch.Tensor, index) -> np.ndarray:
+    """Rows of a weight (on its device, any dtype) as float32 numpy."""
+    index = torch.as_tensor(index, device=w.device)
+    return w.index_select(0, index.reshape(-1)).view(*index.shape, -1).to("cpu", torch.float32).numpy()
+
+
+class _Candidates:
+    """MarkovScorer's per-depth candidates: the backbone's top-M tokens of each depth (best first) and
+    their logits, the non-candidates' log-mass, and the W1 / W2 rows of a depth's candidates, gathered
+    when a node there is first expanded."""
+
+    def __init__(self, draft_logits: torch.Tensor, M: int, head: MarkovHead):
+        logits = draft_logits.float()
+        L, V = logits.shape
+        vals, ids = torch.topk(logits, M, dim=-1)  # [L, M] each depth's candidates, best first
+        lse = torch.logsumexp(logits, dim=-1)  # [L]
+        self.vals, self.ids, lse = vals.cpu().numpy(), ids.cpu().numpy(), lse.cpu().numpy().astype(np.float64)
+        if M < V:  # log-mass of the non-candidates (they keep their backbone logits)
+            cand_mass = np.exp(self.vals.astype(np.float64) - lse[:, None]).sum(-1)  # [L]
+            with np.errstate(divide="ignore"):
+                self.rest = (lse + np.log(np.maximum(1.0 - cand_mass, 0.0))).astype(np.float32)
+        else:
+            self.rest = np.full(L, -np.inf, dtype=np.float32)
+        self.w1_full, self.w2_full = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
+        self.w1: dict[int, tuple[np.ndarray, dict]] = {}  # depth -> (its candidates' W1 [M, r], token -> row)
+        self.w2: dict[int, np.ndarray] = {}  # depth -> W2 of its candidates [M, r]
+
+    def w1_of(self, depth: int, token: int) -> np.ndarray:
+        """W1[token] [r] for a token among depth's candidates (a node at `depth` carries one)."""
+        if depth not in self.w1:
+            ids = self.ids[depth - 1]
+            self.w1[depth] = _rows(self.w1_full, ids), dict(zip(ids.tolist(), range(len(ids))))
+        table, column = self.w1[depth]
+        return table[column[token]]
+
+    def w2_of(self, depth: int) -> np.ndarray:
+        """W2 of the candidates of the children of a node at `depth` [M, r]."""
+        if depth not in self.w2:
+            self.w2[depth] = _rows(self.w2_full, self.ids[depth])
+        return self.w2[depth]
+
+
+class _MarkovStep:
+    """MarkovHead.step in float32 numpy for one block, its slot part precomputed.
+
+    gated: gate = sigmoid(G_h h_k + g + G_e e); rnn: [a; c; o] = J_s s + J_e e + J_h h_k + j.
+    The h_k part depends on the slot only: one matmul for all slots (reads G_h / J_h once)."""
+
+    def __init__(self, head: MarkovHead, hidden: torch.Tensor):
+        """hidden [B, H]: the block's backbone states."""
+        self.head_type = head.head_type
+        proj = head.gate_proj if head.head_type == "gated" else head.joint_proj
+        if proj is None:  # vanilla: u = e
+            return
+        r, H, w = head.rank, hidden.shape[-1], proj.weight.detach()
+        # gate_proj reads [h ; e], joint_proj [s ; e ; h]
+        w_h = w[:, :H] if head.head_type == "gated" else w[:, 2 * r:]
+        slot_part = torch.addmm(proj.bias.detach(), hidden.to(w.device, w.dtype), w_h.T)
+        self.slot_part = slot_part.to("cpu", torch.float32).numpy()  # [B, r] or [B, 3r]
+        # the rest of the weight: G_e [r, r], or [J_s J_e] [3r, 2r] applied to [s ; e] at once
+        emb_w = w[:, H:] if head.head_type == "gated" else w[:, :2 * r]
+        self.emb_w = emb_w.to("cpu", torch.float32).numpy()
+
+    def __call__(self, e: np.ndarray, carry, slot: int):
+        """u of block slot `slot` after a token with W1 row e [r], and the state after it (rnn; else None)."""
+        if self.head_type == "vanilla":
+            return e, None
+        if self.head_type == "gated":
+            return e / (1.0 + np.exp(-(self.slot_part[slot] + self.emb_w @ e))), None
+        a, c, o = np.split(self.slot_part[slot] + self.emb_w @ np.concatenate([carry, e]), 3)
+        gate = 1.0 / (1.0 + np.exp(-a))
+        return np.tanh(o), gate * carry + (1.0 - gate) * np.tanh(c)
 
 
 def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weights: torch.Tensor,
@@ -271,3 +296,71 @@ def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weight
     normalised like the main loss. confidence_logits, alpha, weights [b, A, K]."""
     bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), alpha.detach().float(), reduction="none")
     return (bce * weights).sum() / normalizer
+
+
+class DSpark(Variant):
+    """The variant: the heads after the backbone, the Markov chain and tree, and DSpark's fields."""
+    name = "dspark"
+    recipe_fields = ("markov_rank", "markov_head_type", "confidence_head")
+    grows_from = ("dflash",)
+    grown = ("markov_head.", "confidence_head.")
+    draft_vocab = False
+    native_refusal = ("the native DFlash format has no Markov or confidence head: export a DSpark drafter "
+                      "with --format speculators (served by vLLM as method dspark)")
+
+    def chain(self, drafter, hidden, base_logits, bonus) -> ChainDraft:
+        """Each slot biased by the token drafted before it (`markov_chain`), and the confidence logits."""
+        tokens, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
+        return ChainDraft(tokens, confidence)
+
+    def states_confidence(self, drafter) -> bool:
+        return drafter.confidence_head is not None
+
+    def scorer(self, drafter, hidden, bonus):
+        return None if drafter.markov_head is None else MarkovScorer(drafter.markov_head, hidden, bonus)
+
+    def add_modules(self, drafter, config) -> None:
+        drafter.markov_head, drafter.confidence_head = dspark_heads(config)
+
+    def teacher_forced(self, drafter, block_hidden, block_tokens) -> dict:
+        u, confidence = teacher_forced(drafter, block_hidden, block_tokens)
+        return {"markov_u": u, "confidence_logits": confidence}
+
+    def drafter_fields(self, m, tc) -> dict:
+        if m.markov_rank > tc.vocab_size:  # W2(W1[x]) is a V x V bias: its rank is at most V
+            raise UserError(f"model.markov_rank {m.markov_rank} exceeds the target's vocabulary "
+                            f"({tc.vocab_size}): a rank above {tc.vocab_size} adds nothing")
+        return {"variant": "dspark", "markov_rank": m.markov_rank, "markov_head_type": m.markov_head_type,
+                "confidence_head": m.confidence_head,
+                "confidence_head_with_markov": m.confidence_head and m.markov_rank > 0}
+
+    def from_speculators(self, config: dict) -> dict:
+        """speculators' own default is sample_from_anchor true (B drafted tokens, slot 0 predicting the
+        token after the anchor); dflash-train drafts B-1 tokens after the bonus token, so only false is
+        read."""
+        if config.get("sample_from_anchor", True):  # speculators' DSpark default is true
+            raise UserError("DSpark config has sample_from_anchor true (or unset, speculators' default): "
+                            "dflash-train reads only false (the bonus token at block slot 0, B-1 drafted "
+                            "tokens)")
+        head_type = config.get("markov_head_type", "vanilla")
+        if head_type not in HEAD_TYPES:
+            raise UserError(f"DSpark config has an unknown markov_head_type '{head_type}'")
+        rank = int(config.get("markov_rank", 256))
+        confidence = bool(config.get("enable_confidence_head", True))
+        with_markov = confidence and bool(config.get("confidence_head_with_markov", True))
+        if with_markov and rank <= 0:
+            raise UserError("DSpark config has confidence_head_with_markov true but markov_rank 0")
+        vocab, size = config["transformer_layer_config"]["vocab_size"], config.get("draft_vocab_size")
+        if size is not None and size < vocab:  # above the vocabulary: refused for every variant (formats.py)
+            raise UserError(f"DSpark config has draft_vocab_size {size} < {vocab}: dflash-train's DSpark "
+                            "drafts over the full vocabulary")
+        return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type,
+                "confidence_head": confidence, "confidence_head_with_markov": with_markov}
+
+    def speculators_fields(self, cfg) -> dict:
+        return {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
+                "enable_confidence_head": cfg.confidence_head,
+                "confidence_head_with_markov": cfg.confidence_head_with_markov}
+
+    def cost_key(self, cfg) -> str | None:
+        return f"dspark-{cfg.markov_head_type}" if cfg.markov_rank else None

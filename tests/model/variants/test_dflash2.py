@@ -6,10 +6,11 @@ import dataclasses
 import pytest
 import torch
 
-from dflash_train.model.drafter import ContextCache, DFlashDrafter, GroupedDynamicConv
+from dflash_train.model.drafter import ContextCache, DFlashDrafter
 from dflash_train.model.loss import dflash_loss
 from dflash_train.model.target import target_forward
 from dflash_train.model.variants import dflash2
+from dflash_train.model.variants.dflash2 import GroupedDynamicConv
 from dflash_train.training.build import drafter_config_for
 from dflash_train.training.config import LossConfig, ModelConfig
 

@@ -101,12 +101,12 @@ def test_lossless_at_temperature_0(tiny_target, drafter, greedy, method, budget,
 def test_selector_tree_is_what_decoding_verifies(tiny_target, drafter, monkeypatch):
     """With tree_scores conditional, decoding verifies exactly build_tree(unary, budget, SelectorScorer)
     for each block; with marginal, the plain tree of the same unary logits."""
-    from dflash_train.decoding import decode as decode_module
+    from dflash_train.decoding import proposers
     from dflash_train.decoding.ddtree import build_tree
 
     seen = []
-    real = decode_module.build_tree
-    monkeypatch.setattr(decode_module, "build_tree", lambda logits, budget, scorer=None: seen.append(
+    real = proposers.build_tree
+    monkeypatch.setattr(proposers, "build_tree", lambda logits, budget, scorer=None: seen.append(
         (logits.clone(), scorer)) or real(logits, budget, scorer))
     stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
     ids = chat_prompt(tiny_target.tokenizer, QUESTIONS[0])

@@ -9,7 +9,8 @@ from conftest import TINY_TARGET, chat_prompt
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.checkpoint.formats import speculators_config
 from dflash_train.data.dataset import stop_token_ids
-from dflash_train.decoding.decode import decode, draft_hidden
+from dflash_train.decoding.decode import decode
+from dflash_train.decoding.proposers import draft_hidden
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
 from dflash_train.model.target import target_forward
 from dflash_train.model.variants import dspark

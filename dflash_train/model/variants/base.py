@@ -1,0 +1,108 @@
+"""Plain DFlash as a variant, and what the rest of the package asks of one.
+
+A variant is one object of `VARIANTS` (model/variants/__init__.py), named by DrafterConfig.variant and
+reached as `drafter.variant`. DSpark (dspark.py) and DFlash2 (dflash2.py) override what they change;
+everything here is DFlash's: no modules beyond the backbone, each slot's argmax as the chain, DDTree
+from the backbone's marginals, no fields of its own.
+
+    decoding      chain, states_confidence, scorer
+    drafter       conv, add_modules
+    training      teacher_forced
+    recipes       drafter_fields, recipe_fields, grows_from, grown
+    checkpoints   check, draft_vocab, from_speculators, speculators_fields, native_refusal
+    evaluation    cost_key
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dflash_train.core.errors import UserError
+
+
+@dataclass
+class ChainDraft:
+    """One block's greedy chain."""
+    tokens: torch.Tensor  # [B-1] long, the drafted slots 1..B-1
+    confidence: torch.Tensor | None = None  # [B-1] acceptance logits (DSpark's confidence head), or None
+
+
+class Variant:
+    name = "dflash"
+    # DrafterConfig fields of this variant (same names in the recipe's model section); model.init_from
+    # refuses a drafter whose fields differ from the recipe's
+    recipe_fields: tuple[str, ...] = ()
+    # variants whose drafter may start this one (model.init_from), and the state-dict prefixes of the
+    # modules it then adds fresh (DFlash2's convolutions too, at the identity: they are checked apart)
+    grows_from: tuple[str, ...] = ()
+    grown: tuple[str, ...] = ()
+    # whether it can draft in a draft vocabulary (model/vocab.py): DSpark's Markov bias and DFlash2's
+    # selector are [V, r] tables over the full vocabulary
+    draft_vocab = True
+    # why the native DFlash format (z-lab's config.json) cannot hold this drafter; None: it can
+    native_refusal: str | None = None
+
+    # --- decoding ---------------------------------------------------------------------------------
+
+    def chain(self, drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus: int) -> ChainDraft:
+        """The greedy chain of one block: hidden [B, H] the drafter's final-normed states (slot 0: the
+        bonus token's), base_logits [B-1, V] the backbone's (-inf outside a draft vocabulary).
+        DFlash: every slot's argmax, drafted independently."""
+        return ChainDraft(base_logits.argmax(-1))
+
+    def states_confidence(self, drafter) -> bool:
+        """Whether `chain` states each slot's acceptance (decoding then tabulates it against the target)."""
+        return False
+
+    def scorer(self, drafter, hidden: torch.Tensor, bonus: int):
+        """The path-conditioned children of this block's DDTree (for `ddtree.build_tree`), from hidden
+        [B, H]; None: the tree from the backbone's marginals."""
+        return None
+
+    # --- the drafter's modules ----------------------------------------------------------------------
+
+    def conv(self, config) -> tuple[int, int, int] | None:
+        """Each decoder layer's local convolutions as (block_size, kernel_size, group_size); None: none."""
+        return None
+
+    def add_modules(self, drafter: nn.Module, config) -> None:
+        """Add this variant's modules to a drafter whose backbone is built and initialised."""
+
+    # --- training -----------------------------------------------------------------------------------
+
+    def teacher_forced(self, drafter, block_hidden: torch.Tensor, block_tokens: torch.Tensor) -> dict:
+        """What the variant's heads give on the true previous tokens, as training.blocks.BlockOutputs
+        fields: block_hidden [b, A, B, H] every slot's state, block_tokens [b, A, B] the true tokens."""
+        return {}
+
+    # --- recipes ------------------------------------------------------------------------------------
+
+    def drafter_fields(self, m, tc) -> dict:
+        """This variant's part of a DrafterConfig from the recipe's model section `m`, checked against
+        the target's config `tc` before anything is allocated ({}: DrafterConfig's defaults)."""
+        return {}
+
+    # --- checkpoints --------------------------------------------------------------------------------
+
+    def check(self, fields) -> None:
+        """What this variant needs of a drafter config.json's fields (raises ValueError)."""
+
+    def from_speculators(self, config: dict) -> dict:
+        """This variant's DrafterConfig fields from a Speculators config.json. dflash-train drafts B-1
+        tokens after the bonus token (slot 0), so only sample_from_anchor false is read."""
+        if config.get("sample_from_anchor"):
+            raise UserError("Speculators config has sample_from_anchor true: dflash-train reads only "
+                            "false (the bonus token at block slot 0, B-1 drafted tokens)")
+        return {}
+
+    def speculators_fields(self, cfg) -> dict:
+        """This variant's fields of its Speculators config (speculators' names), from a DrafterConfig."""
+        return {}
+
+    # --- evaluation ---------------------------------------------------------------------------------
+
+    def cost_key(self, cfg) -> str | None:
+        """Which of benchmarks/gpu_costs.py's scored tree builds and chain walks this drafter decodes
+        with; None: the plain tree and the argmax chain."""
+        return None

@@ -349,11 +349,11 @@ def test_ddtree_max_blocks_caps_the_whole_validation(tmp_path, small_data, monke
     """eval.ddtree_max_blocks is the number of blocks scored with trees in a validation (per
     process), not per validation batch: 2 batches of 4 rows x 4 anchors with a cap of 10 score
     10 blocks (before: 10 + 10)."""
-    import dflash_train.training.trainer as train_module
+    import dflash_train.training.validate as validate_module
 
     scored = []
-    real = train_module.ddtree_acceptance
-    monkeypatch.setattr(train_module, "ddtree_acceptance",
+    real = validate_module.ddtree_acceptance
+    monkeypatch.setattr(validate_module, "ddtree_acceptance",
                         lambda logits, labels, *a: scored.append(len(labels)) or real(logits, labels, *a))
     main(quick(tmp_path / "run", small_data, "eval.max_samples=8", "eval.num_anchors=4", "eval.ddtree_max_blocks=10"))
     assert sum(scored) == 10, scored
@@ -368,7 +368,7 @@ def test_overwrite_of_the_current_folder_keeps_it_and_a_run_around_it_is_refused
     from dflash_train.core.errors import UserError
     from dflash_train.core.outputs import marker_kind, write_marker
     from dflash_train.training.config import load_recipe
-    from dflash_train.training.trainer import open_output_dir, plan_output_dir
+    from dflash_train.training.run_dir import open_output_dir, plan_output_dir
 
     run = tmp_path / "run"
     run.mkdir()

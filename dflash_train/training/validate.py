@@ -11,7 +11,8 @@ from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.model.loss import acceptance_counts, acceptance_metrics, loss_divisor
 from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer
 from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer
-from dflash_train.training.blocks import anchored_blocks, confidence_counts, ddtree_acceptance, draw_anchors
+from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, confidence_counts, ddtree_acceptance,
+                                          draw_anchors)
 from dflash_train.training.config import RunConfig
 from dflash_train.training.objective import term_names, training_loss
 
@@ -28,11 +29,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    budgets, T, K = cfg.eval.ddtree_budgets, len(term_names(cfg)), B - 1
-    # loss and term numerators, the divisor, acceptance counts, tree + spine counts, confidence
-    # calibration: all summable
-    sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
-    totals = torch.zeros(sum(sizes), dtype=torch.float64)
+    totals = torch.zeros(sum(count_sizes(cfg)), dtype=torch.float64)
     conditional = cpu_tree_scorer(model)  # DSpark's / DFlash2's path-conditioned trees are built on CPU
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
@@ -48,28 +45,58 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
             loss_sum, m = training_loss(o, target, model, cfg, normalizer=1.0)
             if not chunk:
                 continue
-            # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
-            # backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at a time
-            flat = [x.flatten(0, 1)[:tree_blocks_left] for x in (o.draft_hidden, m["labels"], o.valid)]
-            if conditional is not None:
-                flat += [x.flatten(0, 1)[:tree_blocks_left] for x in (o.block_hidden, o.bonus)]
-            tree_blocks_left -= len(flat[0])
-            n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
-            tree = torch.zeros(sizes[2], dtype=torch.float64)
-            for j in range(0, len(flat[0]), n):
-                hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
-                tree += ddtree_acceptance(model.full_logits(hidden, target.lm_head).float().cpu(), labels.cpu(),
-                                          valid.cpu(), budgets, n,
-                                          conditional, *(x.float().cpu() if x.is_floating_point() else x.cpu()
-                                                       for x in path_inputs))
-        calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
-            confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
-        totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
-                                          loss_divisor(o.valid, cfg.loss).double().cpu()]),
-                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
+            tree, tree_blocks_left = tree_counts(model, target, o, m["labels"], conditional, cfg,
+                                                 tree_blocks_left)
+        totals += chunk_counts(o, m, loss_sum, tree, cfg)
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    head, counts, tree, calibration = totals.split(sizes)
+    return validation_result(totals, cfg, model.confidence_head is not None)
+
+
+def count_sizes(cfg: RunConfig) -> list[int]:
+    """The parts of validation's summable counts: loss and term numerators and the divisor;
+    acceptance counts; tree counts per budget, blocks and on-/off-spine hits and nodes; confidence
+    calibration (predicted, alpha, n per slot)."""
+    T, K = len(term_names(cfg)), cfg.model.block_size - 1
+    return [1 + T + 1, 3 * K + 2, len(cfg.eval.ddtree_budgets) + 1 + 4, 3 * K]
+
+
+def tree_counts(model, target, o: BlockOutputs, block_labels, conditional, cfg: RunConfig,
+                blocks_left: int) -> tuple[torch.Tensor, int]:
+    """Teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
+    backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at
+    a time, on at most `blocks_left` of the batch's blocks -> (summable tree counts, blocks left)."""
+    budgets, K = cfg.eval.ddtree_budgets, cfg.model.block_size - 1
+    flat = [x.flatten(0, 1)[:blocks_left] for x in (o.draft_hidden, block_labels, o.valid)]
+    if conditional is not None:
+        flat += [x.flatten(0, 1)[:blocks_left] for x in (o.block_hidden, o.bonus)]
+    blocks_left -= len(flat[0])
+    n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
+    tree = torch.zeros(count_sizes(cfg)[2], dtype=torch.float64)
+    for j in range(0, len(flat[0]), n):
+        hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
+        tree += ddtree_acceptance(model.full_logits(hidden, target.lm_head).float().cpu(), labels.cpu(),
+                                  valid.cpu(), budgets, n,
+                                  conditional, *(x.float().cpu() if x.is_floating_point() else x.cpu()
+                                               for x in path_inputs))
+    return tree, blocks_left
+
+
+def chunk_counts(o: BlockOutputs, m: dict, loss_sum, tree, cfg: RunConfig) -> torch.Tensor:
+    """One validation batch's summable counts, laid out as count_sizes() says."""
+    calibration = torch.zeros(count_sizes(cfg)[3], dtype=torch.float64) if o.confidence_logits is None else \
+        confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
+    return torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
+                                   loss_divisor(o.valid, cfg.loss).double().cpu()]),
+                      acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
+
+
+def validation_result(totals: torch.Tensor, cfg: RunConfig, confidence: bool) -> dict:
+    """The counts summed over processes -> validate()'s result (calibration only with DSpark's
+    confidence head)."""
+    budgets, K = cfg.eval.ddtree_budgets, cfg.model.block_size - 1
+    T = len(term_names(cfg))
+    head, counts, tree, calibration = totals.split(count_sizes(cfg))
     divisor = head[1 + T].clamp(min=1e-8)
     blocks = max(tree[len(budgets)].item(), 1.0)
     on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
@@ -79,7 +106,7 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
            "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
            "off_spine_nodes": int(off_n)}
-    if model.confidence_head is not None:
+    if confidence:
         predicted, alpha, n = calibration.view(3, K)
         out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
                              "alpha": (alpha / n.clamp(min=1)).tolist()}

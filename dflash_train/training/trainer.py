@@ -368,27 +368,50 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
     """One optimizer step over grad_accum micro-batches -> (its metrics record, live acceptance
     metrics, the data position (epoch, batches consumed in it) after it, whether any process
     asked to stop after it). Advances run.tokens and run.train_time."""
-    cfg, accelerator, drafter, B = run.cfg, run.accelerator, run.drafter, run.B
     t0 = time.time()
-    # Draw the step's micro-batches and anchors first: the loss is normalised by the slot
-    # weights of the whole optimizer step, summed over micro-batches and processes.
+    micro, normalizer, position = draw_micro_batches(run, step)
+    sums = backward_micro_batches(run, step, micro, normalizer)
+    loss, tokens, counts, terms, tree, stop_after_step = reduce_stats(run, *sums, stop.requested)
+    run.tokens += tokens
+    grad_norm, lr = apply_update(run, step, loss)
+    run.train_time += time.time() - t0
+
+    live = acceptance_metrics(counts)
+    if run.engine == "deepspeed":  # its engine reports the norm only after its step
+        grad_norm = grad_norm_of(run.drafter, run.engine, grad_norm)
+        check_finite_step(step, loss, grad_norm, run.out)
+    return step_record(run, step, loss, terms, lr, grad_norm, live, tree), live, position, stop_after_step
+
+
+def draw_micro_batches(run: Run, step: int) -> tuple[list, torch.Tensor, tuple[int, int]]:
+    """The step's micro-batches and anchors, drawn before any forward: the loss is normalised by
+    the slot weights of the whole optimizer step, summed over micro-batches and processes ->
+    ([(batch, anchors, anchor_valid)] x grad_accum, that normaliser, the data position after them)."""
+    cfg, accelerator = run.cfg, run.accelerator
     micro = []
     for _ in range(cfg.train.grad_accum):
         epoch, in_epoch, batch = next(run.batches)
         batch = batch.to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
         micro.append((batch, anchors, anchor_valid))
-    w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
+    w_local = sum(loss_divisor(block_slots(b, a, v, run.B)[1], cfg.loss) for b, a, v in micro)
     w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
     # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
     normalizer = (w_total / accelerator.num_processes).float()
+    return micro, normalizer, (epoch, in_epoch)
 
+
+def backward_micro_batches(run: Run, step: int, micro: list, normalizer: torch.Tensor) -> tuple:
+    """Forward and backward of each micro-batch (gradients synchronised on the last) -> this
+    process's sums: (loss, tokens, acceptance counts, terms [T], tree distillation's [nodes,
+    agreeing argmaxes])."""
+    cfg, accelerator, drafter = run.cfg, run.accelerator, run.drafter
     loss_sum, step_tokens, terms, counts, tree_counts = 0.0, 0, 0.0, None, torch.zeros(2, dtype=torch.float64)
     distil = cfg.tree_distill.weight > 0 and step % cfg.tree_distill.every == 0
     for i, (batch, anchors, anchor_valid) in enumerate(micro):
         with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
-            o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, B, run.mask_id,
-                                run.cache)
+            o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, run.B,
+                                run.mask_id, run.cache)
             model = accelerator.unwrap_model(drafter)
             # alpha needs the target's logits: a draft-vocabulary step skips them between log steps
             loss, m = training_loss(o, run.target, model, cfg, normalizer, with_alpha=step % cfg.log_every == 0)
@@ -404,42 +427,59 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
         c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
         counts = c if counts is None else counts + c
         step_tokens += int(batch.attention_mask.sum())
-    # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
-    # The stop request rides along, so every process stops after the same step.
+    return loss_sum, step_tokens, counts, terms, tree_counts
+
+
+def reduce_stats(run: Run, loss_sum: float, step_tokens: int, counts, terms, tree_counts,
+                 stop_requested: bool) -> tuple[float, int, torch.Tensor, dict, list[float], bool]:
+    """This process's sums -> (mean loss, tokens, acceptance counts, mean terms by name, tree
+    distillation's [nodes, agreeing argmaxes], whether any process asked to stop), over every
+    process: one small all-reduce. The stop request rides along, so every process stops after the
+    same step."""
+    cfg, accelerator = run.cfg, run.accelerator
     stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms, tree_counts,
-                       torch.tensor([float(stop.requested)], dtype=torch.float64)])
+                       torch.tensor([float(stop_requested)], dtype=torch.float64)])
     stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
-    stop_after_step, (tree_nodes, tree_agree), stats = stats[-1].item() > 0, stats[-3:-1].tolist(), stats[:-3]
-    loss_sum, run.tokens = stats[0].item() / accelerator.num_processes, run.tokens + int(stats[1])
+    stop_after_step, tree, stats = stats[-1].item() > 0, stats[-3:-1].tolist(), stats[:-3]
+    loss, tokens = stats[0].item() / accelerator.num_processes, int(stats[1])
     counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
     names = term_names(cfg) + ["tree"] * (cfg.tree_distill.weight > 0)
     terms = {name: round(v, 6) for name, v in zip(names, terms.tolist())}
-    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
+    return loss, tokens, counts, terms, tree, stop_after_step
+
+
+def apply_update(run: Run, step: int, loss: float) -> tuple[float | None, float]:
+    """Clip, check the loss and gradient norm are finite, then the optimizer, schedule (and W1's
+    embedding path) step and the gradients are cleared -> (gradient norm, the step's learning
+    rate). Under DeepSpeed the norm is read, and checked, only after the step (optimizer_step)."""
+    cfg, drafter = run.cfg, run.drafter
+    grad_norm = run.accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
     if run.engine != "deepspeed":  # DeepSpeed reports its norm after its step
         grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
-        check_finite_step(step, loss_sum, grad_norm, run.out)  # the same numbers on every process
+        check_finite_step(step, loss, grad_norm, run.out)  # the same numbers on every process
     lr = run.sched.get_last_lr()[0]  # the rate this step uses
     run.opt.step()
     run.sched.step()
     if run.shared_w1 is not None:  # reads the table's gradient: before it is cleared
         run.shared_w1.step()
     run.opt.zero_grad(set_to_none=True)
-    run.train_time += time.time() - t0
+    return grad_norm, lr
 
-    live = acceptance_metrics(counts)
-    if run.engine == "deepspeed":
-        grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
-        check_finite_step(step, loss_sum, grad_norm, run.out)
+
+def step_record(run: Run, step: int, loss: float, terms: dict, lr: float, grad_norm: float | None, live: dict,
+                tree: list[float]) -> dict:
+    """A training step's line of metrics.jsonl (validation adds its val_* keys)."""
     grad_norm = None if grad_norm is None else round(grad_norm, 6)
-    record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
+    record = {"step": step, "loss": round(loss, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
               "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
               "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": run.tokens,
               "train_tokens_per_s": round(run.tokens / run.train_time, 1)}
-    if step % cfg.log_every and accelerator.unwrap_model(drafter).lm_head is not None:
+    if step % run.cfg.log_every and run.accelerator.unwrap_model(run.drafter).lm_head is not None:
         del record["alpha_per_position"]  # a draft-vocabulary step computes alpha on log steps only
+    tree_nodes, tree_agree = tree
     if tree_nodes:  # tree distillation: the share of its nodes where the drafter's argmax is the target's
         record["tree_agree"] = round(tree_agree / tree_nodes, 4)
-    return record, live, (epoch, in_epoch), stop_after_step
+    return record
 
 
 def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:

@@ -209,13 +209,3 @@ def test_a_run_saved_before_tree_distillation_existed_still_resumes(tmp_path):
     check_same_recipe(saved, cfg, tmp_path, "x")  # the added section at its defaults: the same recipe
     with pytest.raises(UserError, match="tree_distill.weight"):
         check_same_recipe(saved, load_recipe(None, ["model.variant=dspark", "tree_distill.weight=1"]), tmp_path, "x")
-
-
-def test_the_deploy_budget_may_change_on_resume_and_the_math_may_not(tmp_path):
-    from dflash_train.core.errors import UserError
-    from dflash_train.training.resume import check_same_recipe
-
-    saved = load_recipe(None, []).model_dump(mode="json")
-    check_same_recipe(saved, load_recipe(None, ["eval.deploy_budget=64"]), tmp_path, "x")  # only names a checkpoint
-    with pytest.raises(UserError, match=r"eval.ddtree_budgets"):
-        check_same_recipe(saved, load_recipe(None, ["eval.ddtree_budgets=[8]"]), tmp_path, "x")

@@ -97,7 +97,7 @@ def budget_section(reports: list[dict]) -> str:
 
 
 def run_choice(folder: Path) -> dict | None:
-    """The training run's checkpoint choice (summary.json "chosen", trainer.choose_checkpoint) for a
+    """The training run's checkpoint choice (summary.json "chosen", resume.choose_checkpoint) for a
     drafter folder inside a run (final/ or checkpoints/step_N/), with "this": whether it is this
     folder; None elsewhere (an export written into a run folder is not one of the run's drafters)."""
     if folder.name != "final" and folder.parent.name != "checkpoints":

@@ -148,6 +148,34 @@ def widths_for(widest: int) -> tuple[list[int], list[int]]:
     return [w for w in VERIFY_WIDTHS if w <= top], sorted({w for w in CONTEXT_WIDTHS if w < top} | {top})
 
 
+def prefill(target: Target, drafter: DFlashDrafter, prompt: torch.Tensor,
+            batches: list[int]) -> tuple[DynamicCache, dict[int, ContextCache]]:
+    """The target's KV cache after `prompt` [1, P], and for each batch size c the drafter's context
+    cache of c requests after it (c copies of the prompt's taps)."""
+    device, context = target.embed.weight.device, prompt.shape[1]
+    cache = DynamicCache(config=target.model.config)
+    out = target.model(input_ids=prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    taps = taps_from_hidden_states(out.hidden_states, drafter.config.target_layer_ids)  # [1, P, n*H]
+    del out
+    positions = torch.arange(context, device=device)[None]
+    ctxs = {}
+    for c in batches:
+        ctxs[c] = ContextCache(drafter.config.num_hidden_layers)
+        drafter.extend_context(ctxs[c], taps.expand(c, -1, -1), positions.expand(c, -1))
+    return cache, ctxs
+
+
+def long_context_cache(target: Target, tokens: int, context: int, g: torch.Generator) -> DynamicCache:
+    """The KV cache of one request after `tokens` random tokens, prefilled in chunks of `context`
+    (at least 256): no [t, t] mask."""
+    device, V = target.embed.weight.device, target.model.config.vocab_size
+    cache = DynamicCache(config=target.model.config)
+    ids = torch.randint(0, V, (1, tokens), generator=g).to(device)
+    for i in range(0, tokens, max(context, 256)):
+        target.model(input_ids=ids[:, i : i + max(context, 256)], past_key_values=cache, use_cache=True)
+    return cache
+
+
 @torch.no_grad()
 def measure_costs(target: Target, drafter: DFlashDrafter, context: int, batches: list[int],
                   widths: list[int] = VERIFY_WIDTHS, rounds: int = ROUNDS, seed: int = 0,
@@ -162,26 +190,13 @@ def measure_costs(target: Target, drafter: DFlashDrafter, context: int, batches:
     V, L = target.model.config.vocab_size, drafter.config.block_size - 1
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, V, (1, context), generator=g).to(device)
-    cache = DynamicCache(config=target.model.config)
-    out = target.model(input_ids=prompt, past_key_values=cache, use_cache=True, output_hidden_states=True)
-    taps = taps_from_hidden_states(out.hidden_states, drafter.config.target_layer_ids)  # [1, P, n*H]
-    del out
-    positions = torch.arange(context, device=device)[None]
-    ctxs = {}
-    for c in batches:
-        ctxs[c] = ContextCache(drafter.config.num_hidden_layers)
-        drafter.extend_context(ctxs[c], taps.expand(c, -1, -1), positions.expand(c, -1))
+    cache, ctxs = prefill(target, drafter, prompt, batches)
     logits = torch.randn(L, V, generator=g)
     trees = {w: root_only_tree() if w == 1 else build_tree(logits, w - 1) for w in widths}
     bonus = int(prompt[0, -1])
 
     contexts = sorted({int(t) for t in contexts if t > context})
-    long_caches = {}
-    for t in contexts:  # one request after t tokens (prefilled in chunks of `context`: no [t, t] mask)
-        long_caches[t] = DynamicCache(config=target.model.config)
-        ids = torch.randint(0, V, (1, t), generator=g).to(device)
-        for i in range(0, t, max(context, 256)):
-            target.model(input_ids=ids[:, i : i + max(context, 256)], past_key_values=long_caches[t], use_cache=True)
+    long_caches = {t: long_context_cache(target, t, context, g) for t in contexts}  # ascending t, from g
     for w in context_widths:
         trees.setdefault(w, root_only_tree() if w == 1 else build_tree(logits, w - 1))
 

@@ -148,9 +148,9 @@ def _distilled_text(trained: dict) -> str:
     return f", tree-distilled on {n['distilled']} of {plural(n['steps'], 'step')} ({how})"
 
 
-def markdown(report: dict) -> str:
+def _header(report: dict) -> list[str]:
+    """The report's title, setup and hardware lines (and what the drafter was trained for)."""
     hw = report["hardware"]
-    levels = report["concurrency"]
     lines = [f"# dflash-eval: {report['drafter']}", "",
              f"Target `{report['target']}`, block size {report['block_size']}, taps {report['target_layer_ids']}, "
              f"temperature {report['temperature']}, max {report['max_new_tokens']} new tokens per turn, "
@@ -163,48 +163,63 @@ def markdown(report: dict) -> str:
         lines[-1:-1] = ["Drafter trained" + (f" and chosen for DDTree budget {trained['deploy_budget']}"
                                              if trained.get("deploy_budget") else "")
                         + _distilled_text(trained) + "."]
-    extrapolated = False
+    return lines
+
+
+def _suite_section(suite: str, rows: list[dict], adv: dict, levels: list[int]) -> list[str]:
+    """One suite's results table, measured verdict and predictions (on this device, and on
+    another one's measured costs)."""
+    lines = [f"## {suite} ({plural(rows[0]['prompts'], 'prompt')})", "",
+             "| method | budget | tau | speedup vs AR (90% interval) | tokens/s | lossless | draft ms | tree ms "
+             "| verify ms | commit ms | loops | tau without loops |",
+             "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        s = r["stage_ms_per_round"]
+        lossless = {True: "yes", False: "**NO**", None: "n/a (T>0)"}[r["lossless"]]
+        lines.append(f"{_method(r)} {r['tau']:.2f} | {_speedup(r['speedup'], r['speedup_interval'])} | "
+                     f"{r['tokens_per_s']} | {lossless} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:.2f}" for k in s)
+                     + f" | {r['looping_replies']}/{r['replies']} | {_tau(r['tau_without_loops'])} |")
+    lines += ["", f"**Measured here, one request at a time:** {verdict_text(adv['measured'])}", "",
+              "Predicted speedup over AR when N requests share one verify forward "
+              "(width N x (budget + 1)), from this eval's cost curve:", ""]
+    lines += _prediction_table(rows, "predicted", levels)
+    lines.append("")
+    lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}" for c, v in adv["concurrency"].items()
+              if int(c) > 1]
+    if "device" in adv:
+        lines += ["", f"Predicted on {adv['device']['name']} (from its measured costs, `--verify-times`):", ""]
+        lines += _prediction_table(rows, "predicted_on_device", levels)
+        lines.append("")
+        lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}"
+                  for c, v in adv["device"]["concurrency"].items()]
+    lines.append("")
+    return lines
+
+
+def _method_notes(costs: dict) -> list[str]:
+    """How speedup, tau, loops and stage times are measured, and the cost curve behind the predictions."""
+    return ["Speedup = median over prompts and repeats of AR's decode time per token / the method's on the same "
+            "prompt; the methods run back to back per prompt, in an order rotated from prompt to prompt, so a "
+            "change in machine load lands on all of them. Interval: 90% bootstrap over prompts and repeats. "
+            "tau = tokens per target forward, bonus token included, averaged over prompts. "
+            f"Loops = replies holding a repetition loop (a block of tokens repeated exactly, {MIN_REPEATS}+ times, "
+            f"over {MIN_LOOP_TOKENS}+ tokens: dflash_train/evaluation/loops.py) out of all; tau without loops "
+            "leaves out the prompts with such a reply. "
+            "Stage times are medians per decoding round, prefill excluded.", "",
+            f"Cost curve (median of {costs['rounds']} rounds after a {costs['context']}-token context): verify ms by "
+            "width " + ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["verify_ms_by_width"].items())
+            + "; drafter ms by batch " + ", ".join(f"{c}: {ms:.2f}" for c, ms in costs["draft_ms_by_batch"].items())
+            + ". A round of N requests = drafter pass for N + N x (tree build + commit) + one verify forward.",
+            ""]
+
+
+def markdown(report: dict) -> str:
+    lines, extrapolated = _header(report), False
     for suite, adv in report["advice"].items():
         rows = [r for r in report["results"] if r["suite"] == suite]
-        lines += [f"## {suite} ({plural(rows[0]['prompts'], 'prompt')})", "",
-                  "| method | budget | tau | speedup vs AR (90% interval) | tokens/s | lossless | draft ms | tree ms "
-                  "| verify ms | commit ms | loops | tau without loops |",
-                  "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
-        for r in rows:
-            s = r["stage_ms_per_round"]
-            lossless = {True: "yes", False: "**NO**", None: "n/a (T>0)"}[r["lossless"]]
-            lines.append(f"{_method(r)} {r['tau']:.2f} | {_speedup(r['speedup'], r['speedup_interval'])} | "
-                         f"{r['tokens_per_s']} | {lossless} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:.2f}" for k in s)
-                         + f" | {r['looping_replies']}/{r['replies']} | {_tau(r['tau_without_loops'])} |")
-        lines += ["", f"**Measured here, one request at a time:** {verdict_text(adv['measured'])}", "",
-                  "Predicted speedup over AR when N requests share one verify forward "
-                  "(width N x (budget + 1)), from this eval's cost curve:", ""]
-        lines += _prediction_table(rows, "predicted", levels)
-        lines.append("")
-        lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}" for c, v in adv["concurrency"].items()
-                  if int(c) > 1]
+        lines += _suite_section(suite, rows, adv, report["concurrency"])
         extrapolated |= any(p["extrapolated"] for r in rows for p in r["predicted"].values())
-        if "device" in adv:
-            lines += ["", f"Predicted on {adv['device']['name']} (from its measured costs, `--verify-times`):", ""]
-            lines += _prediction_table(rows, "predicted_on_device", levels)
-            lines.append("")
-            lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}"
-                      for c, v in adv["device"]["concurrency"].items()]
-        lines.append("")
-    costs = report["costs"]
-    lines += ["Speedup = median over prompts and repeats of AR's decode time per token / the method's on the same "
-              "prompt; the methods run back to back per prompt, in an order rotated from prompt to prompt, so a "
-              "change in machine load lands on all of them. Interval: 90% bootstrap over prompts and repeats. "
-              "tau = tokens per target forward, bonus token included, averaged over prompts. "
-              f"Loops = replies holding a repetition loop (a block of tokens repeated exactly, {MIN_REPEATS}+ times, "
-              f"over {MIN_LOOP_TOKENS}+ tokens: dflash_train/evaluation/loops.py) out of all; tau without loops "
-              "leaves out the prompts with such a reply. "
-              "Stage times are medians per decoding round, prefill excluded.", "",
-              f"Cost curve (median of {costs['rounds']} rounds after a {costs['context']}-token context): verify ms by "
-              "width " + ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["verify_ms_by_width"].items())
-              + "; drafter ms by batch " + ", ".join(f"{c}: {ms:.2f}" for c, ms in costs["draft_ms_by_batch"].items())
-              + ". A round of N requests = drafter pass for N + N x (tree build + commit) + one verify forward.",
-              ""]
+    lines += _method_notes(report["costs"])
     if extrapolated:
         lines += ["\\* the verify width is beyond the widest measured (1024): extrapolated along the curve's last "
                   "segment.", ""]

@@ -97,7 +97,7 @@ def budget_section(reports: list[dict]) -> str:
 
 
 def run_choice(folder: Path) -> dict | None:
-    """The training run's checkpoint choice (summary.json "chosen", trainer.choose_checkpoint) for a
+    """The training run's checkpoint choice (summary.json "chosen", resume.choose_checkpoint) for a
     drafter folder inside a run (final/ or checkpoints/step_N/), with "this": whether it is this
     folder; None elsewhere (an export written into a run folder is not one of the run's drafters)."""
     if folder.name != "final" and folder.parent.name != "checkpoints":
@@ -173,6 +173,58 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
         "```", "", "</details>"])
 
 
+def algorithm_text(cfg) -> str:
+    """The card's one-line account of the variant's drafting."""
+    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
+    if dspark:
+        text = (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
+                f"(rank {cfg.markov_rank}) conditions each slot on the token drafted before it"
+                + ("; a confidence head predicts each slot's acceptance" if cfg.confidence_head else ""))
+    if dflash2:
+        text = (f"DFlash2: the DFlash block forward with {cfg.conv_kernel_size}-tap dynamic convolutions "
+                f"around every sublayer (within the block), then a rank-{cfg.selector_rank} candidate "
+                f"selector re-ranks each slot's top-{cfg.selector_top_k} tokens given the token before it")
+    return text
+
+
+def vllm_text(fmt: str, cfg, pin: dict, serve_ref: str) -> str:
+    """The vLLM command(s) that serve the export."""
+    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
+        spec = json.dumps({"method": "dspark", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
+                f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
+    elif fmt == SPECULATORS and dflash2:  # vLLM 0.33 reads `dflash2` as DFlash2DraftModel under method dflash
+        vllm = f"vllm serve {serve_ref}   # DFlash2DraftModel, method dflash, read from config.json"
+    elif fmt == SPECULATORS:
+        vllm = f"vllm serve {serve_ref}"
+    else:
+        spec = json.dumps({"method": "dflash", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        vllm = f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'"
+    return vllm
+
+
+def limitations_text(cfg, pin: dict) -> str:
+    """Limitations beyond the template's: an unpublished verifier, what vLLM serves of the variant."""
+    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    extra = "" if pin["kind"] != "content_sha256" else (
+        "- The verifier is a local folder with no Hub revision; publish it or re-export with "
+        "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
+    if dspark and cfg.markov_head_type != "vanilla":
+        extra += ("\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head only: "
+                  f"this `{cfg.markov_head_type}` head's weights are not served there (speculators and dflash-train "
+                  "load them).")
+    if dspark:
+        extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with the "
+                  f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark "
+                  "chain.")
+    if dflash2:
+        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from dflash-train's decoder, "
+                  "whose tree ranks each node's children by the selector given that node's token.")
+    return extra
+
+
 def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
                reports: list[dict], source_format: str, serve_ref: str, license_id: str,
                choice: dict | None = None, distilled: dict | None = None, notes: str | None = None) -> ModelCard:
@@ -188,43 +240,9 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
                               tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
                               + [cfg.variant] * (dspark or dflash2),
                               license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
-    algorithm_text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
-    if dspark:
-        algorithm_text = (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
-                          f"(rank {cfg.markov_rank}) conditions each slot on the token drafted before it"
-                          + ("; a confidence head predicts each slot's acceptance" if cfg.confidence_head else ""))
-    if dflash2:
-        algorithm_text = (f"DFlash2: the DFlash block forward with {cfg.conv_kernel_size}-tap dynamic convolutions "
-                          f"around every sublayer (within the block), then a rank-{cfg.selector_rank} candidate "
-                          f"selector re-ranks each slot's top-{cfg.selector_top_k} tokens given the token before it")
-    if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
-        spec = json.dumps({"method": "dspark", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
-        vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
-                f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
-    elif fmt == SPECULATORS and dflash2:  # vLLM 0.33 reads `dflash2` as DFlash2DraftModel under method dflash
-        vllm = f"vllm serve {serve_ref}   # DFlash2DraftModel, method dflash, read from config.json"
-    elif fmt == SPECULATORS:
-        vllm = f"vllm serve {serve_ref}"
-    else:
-        spec = json.dumps({"method": "dflash", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
-        vllm = f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'"
-    extra = "" if pin["kind"] != "content_sha256" else (
-        "- The verifier is a local folder with no Hub revision; publish it or re-export with "
-        "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
-    if dspark and cfg.markov_head_type != "vanilla":
-        extra += ("\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head only: "
-                  f"this `{cfg.markov_head_type}` head's weights are not served there (speculators and dflash-train "
-                  "load them).")
-    if dspark:
-        extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with the "
-                  f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark "
-                  "chain.")
-    if dflash2:
-        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from dflash-train's decoder, "
-                  "whose tree ranks each node's children by the selector given that node's token.")
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",
-        algorithm=name, algorithm_text=algorithm_text,
+        algorithm=name, algorithm_text=algorithm_text(cfg),
         verifier=verifier,
         verifier_md=f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier else f"`{verifier}`",
         format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
@@ -233,7 +251,8 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         mask_token_id=cfg.mask_token_id, params=f"{params:,}",
         training=training_section(recipe_text, source_format, choice, distilled),
         acceptance=acceptance_section(reports), validated_on=validated_on_section(reports),
-        vllm_command=vllm, budget_text=budget_section(reports), extra_limitations=extra,
+        vllm_command=vllm_text(fmt, cfg, pin, serve_ref), budget_text=budget_section(reports),
+        extra_limitations=limitations_text(cfg, pin),
         draft_vocab=draft_vocab_text(cfg), notes=(notes or "").strip())
 
 

@@ -31,8 +31,6 @@ newest one is the last good state, and final/ is never written with non-finite w
 import json
 import math
 import os
-import shutil
-import signal
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -40,43 +38,32 @@ from functools import partial
 from pathlib import Path
 
 import torch
-import yaml
-from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, Sampler
 from tqdm.auto import tqdm
 from transformers import get_cosine_schedule_with_warmup
 
-from dflash_train.checkpoint.folders import (check_resumable, count_parameters, load_checkpoint, newest_checkpoint,
-                                             save_drafter, write_checkpoint)
+from dflash_train.checkpoint.folders import check_resumable, count_parameters, load_checkpoint, save_drafter
 from dflash_train.core.errors import UserError
-from dflash_train.core.outputs import (KINDS, MARKER, check_cwd_outside, check_folder_path, check_writable,
-                                       is_empty, marker_kind, move_aside, output_lock, refuse_overlap,
-                                       write_marker)
+from dflash_train.core.outputs import output_lock
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data.dataset import check_data_path, collate, load_conversations
 from dflash_train.data.hs_cache import check_complete, open_cache
-from dflash_train.model.loss import acceptance_counts, acceptance_metrics, dflash_loss, exp_weights, loss_divisor
+from dflash_train.model.loss import acceptance_counts, acceptance_metrics, loss_divisor
 from dflash_train.model.target import check_positions, load_target, max_positions, native_bf16
-from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_loss
-from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, confidence_loss
-from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, block_slots, confidence_counts,
-                                          ddtree_acceptance, draw_anchors, target_labels)
+from dflash_train.training.blocks import BlockOutputs, anchored_blocks, block_slots, draw_anchors
 from dflash_train.training.build import attach_draft_vocab, init_drafter
 from dflash_train.training.config import RunConfig, dump_recipe
-from dflash_train.training.engines import (configure_deepspeed, full_model_state, full_optimizer_state,
-                                           fully_shard_drafter, grad_norm_of, gradient_sync, launched_engine,
-                                           load_optimizer_state, make_accelerator, shards_itself, whole_model_loading)
+from dflash_train.training.engines import (configure_deepspeed, full_model_state, fully_shard_drafter, grad_norm_of,
+                                           gradient_sync, launched_engine, load_optimizer_state, make_accelerator,
+                                           shards_itself, whole_model_loading)
 from dflash_train.training.markov_embed import SharedW1
+from dflash_train.training.objective import term_names, training_loss
+from dflash_train.training.resume import (DEEPSPEED_STATE, check_finite_weights, choose_checkpoint, kept_state,
+                                          save_training_checkpoint)
+from dflash_train.training.run_dir import OutputPlan, StopRequest, open_output_dir, plan_output_dir
 from dflash_train.training.tree_distill import pick_blocks, tree_distillation_loss
-
-DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
-VAL_SEED = 1234  # validation anchors are the same at every validation and in every run
-# Recipe keys (or whole sections) that may change between a run and its resumption (they do not
-# affect the math; a run folder may be moved or copied; the deploy budget only names a checkpoint).
-RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb", "eval.deploy_budget"}
-# Recipe keys naming inputs: compared as resolved paths, so data/x and ./data/x/ are the same input.
-PATH_KEYS = {"model.target", "model.init_from", "data.train", "data.val", "data.hidden_state_cache"}
+from dflash_train.training.validate import cpu_tree_scorer, validate, validation_record
 
 
 class EpochSampler(Sampler):
@@ -101,138 +88,6 @@ def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: 
         for i, batch in enumerate(accelerator.skip_first_batches(loader, skip) if skip else loader, start=skip):
             yield epoch, i + 1, batch
         epoch, skip = epoch + 1, 0
-
-
-@torch.no_grad()
-def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
-    """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
-    EAL and teacher-forced DDTree tau at the recipe's budgets with the on-/off-spine accuracy of
-    the largest tree (path-conditioned for DSpark) and DSpark's confidence calibration, with
-    fixed anchors; each process takes every P-th conversation and the counts are summed, so the
-    result does not depend on the process count."""
-    drafter.eval()
-    model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
-    rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    budgets, T, K = cfg.eval.ddtree_budgets, len(term_names(cfg)), B - 1
-    # loss and term numerators, the divisor, acceptance counts, tree + spine counts, confidence
-    # calibration: all summable
-    sizes = [1 + T + 1, 3 * K + 2, len(budgets) + 1 + 4, 3 * K]
-    totals = torch.zeros(sum(sizes), dtype=torch.float64)
-    conditional = cpu_tree_scorer(model)  # DSpark's / DFlash2's path-conditioned trees are built on CPU
-    # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
-    # a process out of rows repeats row 0 and counts nothing.
-    bs = cfg.train.batch_size
-    tree_blocks_left = cfg.eval.ddtree_max_blocks  # over the whole validation, on this process
-    for i in tqdm(range(0, -(-len(val_ds) // accelerator.num_processes), bs), desc="validate", leave=False, position=0,
-                  disable=not accelerator.is_main_process, dynamic_ncols=True, mininterval=BAR_INTERVAL):
-        chunk = rows[i : i + bs]
-        batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
-        anchors, anchor_valid = draw_anchors(batch, cfg.eval.num_anchors, VAL_SEED, 0)
-        with accelerator.autocast():
-            o = anchored_blocks(model, target, batch, anchors, anchor_valid, layer_ids, B, mask_id)
-            loss_sum, m = training_loss(o, target, model, cfg, normalizer=1.0)
-            if not chunk:
-                continue
-            # teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
-            # backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at a time
-            flat = [x.flatten(0, 1)[:tree_blocks_left] for x in (o.draft_hidden, m["labels"], o.valid)]
-            if conditional is not None:
-                flat += [x.flatten(0, 1)[:tree_blocks_left] for x in (o.block_hidden, o.bonus)]
-            tree_blocks_left -= len(flat[0])
-            n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
-            tree = torch.zeros(sizes[2], dtype=torch.float64)
-            for j in range(0, len(flat[0]), n):
-                hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
-                tree += ddtree_acceptance(model.full_logits(hidden, target.lm_head).float().cpu(), labels.cpu(),
-                                          valid.cpu(), budgets, n,
-                                          conditional, *(x.float().cpu() if x.is_floating_point() else x.cpu()
-                                                       for x in path_inputs))
-        calibration = torch.zeros(sizes[3], dtype=torch.float64) if o.confidence_logits is None else \
-            confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
-        totals += torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
-                                          loss_divisor(o.valid, cfg.loss).double().cpu()]),
-                             acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
-    totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
-    drafter.train()
-    head, counts, tree, calibration = totals.split(sizes)
-    divisor = head[1 + T].clamp(min=1e-8)
-    blocks = max(tree[len(budgets)].item(), 1.0)
-    on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
-    out = {"loss": (head[0] / divisor).item(),
-           "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(term_names(cfg))},
-           **acceptance_metrics(counts),
-           "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
-           "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
-           "off_spine_nodes": int(off_n)}
-    if model.confidence_head is not None:
-        predicted, alpha, n = calibration.view(3, K)
-        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
-                             "alpha": (alpha / n.clamp(min=1)).tolist()}
-    return out
-
-
-def cpu_tree_scorer(model):
-    """For validation's path-conditioned trees: (block hidden [B, H], bonus) -> the block's scorer,
-    over a CPU float32 copy of DSpark's Markov head or DFlash2's selector (gathered from its shards
-    under FSDP, so every process calls this); None for DFlash."""
-    head = model.markov_head if model.markov_head is not None else model.candidate_selector
-    if head is None:
-        return None
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
-             for k, v in head.state_dict().items()}
-    c = model.config
-    if model.markov_head is not None:
-        copy, scorer = MarkovHead(c.vocab_size, head.rank, c.hidden_size, head.head_type), MarkovScorer
-    else:
-        copy, scorer = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k), SelectorScorer
-    copy.load_state_dict(state)
-    return partial(scorer, copy.eval())
-
-
-def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
-                  with_alpha: bool = True) -> tuple[torch.Tensor, dict]:
-    """The recipe's loss on the anchored blocks (a DSpark drafter's logits carry its Markov bias),
-    plus, for DSpark's confidence head, loss.confidence_weight x its BCE toward the detached
-    per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
-    the same normaliser; for DFlash2, loss.selector_weight x the selector's candidate CE (the
-    terms' slot weights, the same normaliser), reported as the term "selector", and the chain's
-    hits are then the selector walk's (teacher-forced, dflash2.selector_loss)."""
-    bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
-    if model.lm_head is not None:  # a draft vocabulary: its own (cheap) step
-        return draft_vocab_loss(o, target, model, cfg, normalizer, with_alpha)
-    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
-                          normalizer=normalizer, markov_bias=bias)
-    if o.confidence_logits is not None and cfg.loss.confidence_weight:
-        w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
-        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w, normalizer)
-    if model.candidate_selector is not None:
-        block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's tokens, slots 0..B-1
-        sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens, target.lm_head,
-                                        m["labels"], o.valid, cfg.loss, normalizer)
-        m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
-        m["correct"] = correct
-        loss = loss + cfg.loss.selector_weight * sel
-    return loss, m
-
-
-def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
-                     with_alpha: bool) -> tuple[torch.Tensor, dict]:
-    """The loss of a drafter with a draft vocabulary, in draft space: labels (the target's greedy
-    tokens from the cache, or the data's) mapped into it, -1 outside it (left out of the loss, a
-    miss for acceptance). The target's logits over the draft vocabulary (speculators' renormalised
-    p) are computed only when a term or alpha needs them: a ce step touches only the N-wide head."""
-    given = target_labels(o, target) if cfg.loss.ce_labels == "target" else o.tokens
-    need_p = with_alpha or bool(set(cfg.loss.terms) - {"ce"})
-    loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head, o.tokens, o.valid,
-                          cfg.loss, normalizer=normalizer, labels=model.to_draft_ids(given))
-    m["labels"] = given  # target ids: validation's trees are walked in the target's vocabulary
-    return loss, m
-
-
-def term_names(cfg: RunConfig) -> list[str]:
-    """The reported loss terms: the recipe's, then DFlash2's selector CE (a training step's record
-    adds tree distillation's KL as "tree")."""
-    return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
 
 
 def distilled_trees(run, model, batch, anchors, o: BlockOutputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -281,141 +136,6 @@ def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
         d.hidden_state_cache = resolve_input(d.hidden_state_cache)
         check_complete(Path(d.hidden_state_cache))
     return cfg
-
-
-@dataclass
-class OutputPlan:
-    resume: Path | None  # the checkpoint to resume from
-    replace: bool  # output_dir holds an earlier run of ours, deleted once the new run is set up
-    note: str | None  # what happens to output_dir, said at the start
-
-
-def describe_run(out: Path) -> str:
-    """What deleting a run folder loses, e.g. "3 checkpoints up to step 9, final/, metrics.jsonl"."""
-    steps = sorted(int(p.name[5:]) for p in (out / "checkpoints").glob("step_*") if p.name[5:].isdigit())
-    parts = [f"{len(steps)} checkpoint{'s' * (len(steps) != 1)} up to step {steps[-1]}"] if steps else []
-    parts += sorted(p.name + "/" * p.is_dir() for p in out.iterdir() if p.name not in (MARKER, "checkpoints"))
-    return ", ".join(parts) or "nothing"
-
-
-def plan_output_dir(cfg: RunConfig) -> OutputPlan:
-    """Decide what becomes of output_dir, before anything is loaded or written: start in an empty
-    one, resume from its newest checkpoint, start again a run of ours that stopped before its first
-    checkpoint, or (overwrite=true) replace a run of ours. Anything else is refused."""
-    out = Path(cfg.output_dir)
-    check_folder_path(out, "output_dir")
-    m, d = cfg.model, cfg.data
-    refuse_overlap(out, [("model.target", m.target), ("model.init_from", m.init_from), ("data.train", d.train),
-                         ("data.val", d.val), ("data.hidden_state_cache", d.hidden_state_cache)], "output_dir")
-    check_writable(out, "output_dir")
-    if is_empty(out):
-        return OutputPlan(None, False, None)
-    kind, newest = marker_kind(out), newest_checkpoint(out)
-    if kind not in (None, "train"):
-        raise UserError(f"output_dir '{out}' holds {KINDS.get(kind, kind)}, not a training run: "
-                        "choose another output_dir")
-    if kind is None and newest is None:  # checkpoints are ours even in a folder from before the marker
-        raise UserError(f"output_dir '{out}' is not empty and was not written by dflash-train (no {MARKER}): "
-                        "choose another output_dir, or empty it yourself")
-    what = describe_run(out)
-    if cfg.overwrite:
-        if kind is None:
-            raise UserError(f"output_dir '{out}' has no {MARKER} (written before dflash-train marked its runs), so "
-                            "overwrite=true will not delete it: delete it yourself, or choose another output_dir")
-        check_cwd_outside(out, "output_dir")
-        return OutputPlan(None, True, f"overwrite=true: the run in '{out}' ({what}) is deleted once the new run "
-                                      "is set up")
-    if (out / "summary.json").is_file():
-        raise UserError(f"output_dir '{out}' holds a finished run: overwrite=true deletes it ({what}), "
-                        "or choose another output_dir")
-    if newest is None:
-        check_cwd_outside(out, "output_dir")
-        return OutputPlan(None, True, f"output_dir '{out}' holds a run stopped before its first checkpoint "
-                                      f"({what}): starting it again")
-    try:
-        saved = yaml.safe_load((newest / "recipe.yaml").read_text())
-    except (OSError, yaml.YAMLError) as e:
-        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml: {type(e).__name__}): "
-                        "delete it to resume from the one before") from None
-    if not isinstance(saved, dict):
-        raise UserError(f"checkpoint '{newest}' is damaged (its recipe.yaml is not a mapping): "
-                        "delete it to resume from the one before")
-    check_same_recipe(saved, cfg, newest, what)
-    return OutputPlan(newest, False, None)
-
-
-def open_output_dir(out: Path, plan: OutputPlan, accelerator) -> None:
-    """Once everything is loaded and checked: move an earlier run aside, mark the folder as ours,
-    then delete the earlier run."""
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        old = move_aside(out) if plan.replace else None  # output_dir=.: the current folder stays, emptied
-        out.mkdir(parents=True, exist_ok=True)
-        write_marker(out, "train")
-        if old is not None:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-
-
-class StopRequest:
-    """SIGINT during the training loop sets `requested` instead of raising wherever Python happens
-    to be (a KeyboardInterrupt raised inside a finaliser is swallowed, and one raised mid-step
-    leaves other processes waiting in a collective). The loop stops after the step, on every
-    process together. A second SIGINT raises at once, as Python's default handler does. An ignored
-    SIGINT (a `cmd &` job of a non-interactive shell) stays ignored."""
-
-    def __init__(self):
-        self.requested = False
-        ignored = signal.getsignal(signal.SIGINT) == signal.SIG_IGN
-        self._previous = None if ignored else signal.signal(signal.SIGINT, self._request)
-
-    def _request(self, signum, frame):
-        self.requested = True
-        self.restore()
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
-
-
-def interrupted_line(cfg: RunConfig) -> str:
-    """After Ctrl-C: the last step done (metrics.jsonl) and the step a rerun resumes from."""
-    out = Path(cfg.output_dir)
-    try:
-        at = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"]
-    except (OSError, IndexError, ValueError, KeyError):
-        at = 0
-    newest = newest_checkpoint(out) if out.is_dir() else None
-    rerun = "rerun it without overwrite=true" if cfg.overwrite else "rerun the same command"
-    if newest is None:
-        return f"interrupted at step {at}; {rerun} to start again from step 0 (no checkpoint yet)"
-    return f"interrupted at step {at}; {rerun} to resume from step {int(newest.name[5:])}"
-
-
-def _flat(tree: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in tree.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
-def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> None:
-    now, before = _flat(cfg.model_dump(mode="json")), _flat(saved)
-    # a section added after the run was saved (tree_distill) reads as its defaults: an older run resumes
-    before |= {k: v for k, v in _flat(RunConfig().model_dump(mode="json")).items() if k.split(".")[0] not in saved}
-
-    def same(k: str) -> bool:
-        if k in PATH_KEYS and isinstance(now[k], str) and isinstance(before.get(k), str):
-            return resolve_input(now[k]) == resolve_input(before[k])
-        return now[k] == before.get(k)
-
-    resumable = {k for k in now if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES)}
-    changed = [k for k in now if k not in resumable and not same(k)]
-    if changed:
-        raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); rerun with the same "
-                        f"recipe to resume, choose another output_dir, or pass overwrite=true to delete this run "
-                        f"({what})")
 
 
 def choose_precision(cfg: RunConfig) -> str:
@@ -648,27 +368,50 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
     """One optimizer step over grad_accum micro-batches -> (its metrics record, live acceptance
     metrics, the data position (epoch, batches consumed in it) after it, whether any process
     asked to stop after it). Advances run.tokens and run.train_time."""
-    cfg, accelerator, drafter, B = run.cfg, run.accelerator, run.drafter, run.B
     t0 = time.time()
-    # Draw the step's micro-batches and anchors first: the loss is normalised by the slot
-    # weights of the whole optimizer step, summed over micro-batches and processes.
+    micro, normalizer, position = draw_micro_batches(run, step)
+    sums = backward_micro_batches(run, step, micro, normalizer)
+    loss, tokens, counts, terms, tree, stop_after_step = reduce_stats(run, *sums, stop.requested)
+    run.tokens += tokens
+    grad_norm, lr = apply_update(run, step, loss)
+    run.train_time += time.time() - t0
+
+    live = acceptance_metrics(counts)
+    if run.engine == "deepspeed":  # its engine reports the norm only after its step
+        grad_norm = grad_norm_of(run.drafter, run.engine, grad_norm)
+        check_finite_step(step, loss, grad_norm, run.out)
+    return step_record(run, step, loss, terms, lr, grad_norm, live, tree), live, position, stop_after_step
+
+
+def draw_micro_batches(run: Run, step: int) -> tuple[list, torch.Tensor, tuple[int, int]]:
+    """The step's micro-batches and anchors, drawn before any forward: the loss is normalised by
+    the slot weights of the whole optimizer step, summed over micro-batches and processes ->
+    ([(batch, anchors, anchor_valid)] x grad_accum, that normaliser, the data position after them)."""
+    cfg, accelerator = run.cfg, run.accelerator
     micro = []
     for _ in range(cfg.train.grad_accum):
         epoch, in_epoch, batch = next(run.batches)
         batch = batch.to(accelerator.device)
         anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, cfg.seed, step)
         micro.append((batch, anchors, anchor_valid))
-    w_local = sum(loss_divisor(block_slots(b, a, v, B)[1], cfg.loss) for b, a, v in micro)
+    w_local = sum(loss_divisor(block_slots(b, a, v, run.B)[1], cfg.loss) for b, a, v in micro)
     w_total = accelerator.reduce(w_local.double(), reduction="sum").clamp(min=1e-8)
     # DDP averages gradients over processes: scale by P so the step's gradient is the global mean.
     normalizer = (w_total / accelerator.num_processes).float()
+    return micro, normalizer, (epoch, in_epoch)
 
+
+def backward_micro_batches(run: Run, step: int, micro: list, normalizer: torch.Tensor) -> tuple:
+    """Forward and backward of each micro-batch (gradients synchronised on the last) -> this
+    process's sums: (loss, tokens, acceptance counts, terms [T], tree distillation's [nodes,
+    agreeing argmaxes])."""
+    cfg, accelerator, drafter = run.cfg, run.accelerator, run.drafter
     loss_sum, step_tokens, terms, counts, tree_counts = 0.0, 0, 0.0, None, torch.zeros(2, dtype=torch.float64)
     distil = cfg.tree_distill.weight > 0 and step % cfg.tree_distill.every == 0
     for i, (batch, anchors, anchor_valid) in enumerate(micro):
         with gradient_sync(drafter, accelerator, sync=i == len(micro) - 1), accelerator.autocast():
-            o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, B, run.mask_id,
-                                run.cache)
+            o = anchored_blocks(drafter, run.target, batch, anchors, anchor_valid, run.layer_ids, run.B,
+                                run.mask_id, run.cache)
             model = accelerator.unwrap_model(drafter)
             # alpha needs the target's logits: a draft-vocabulary step skips them between log steps
             loss, m = training_loss(o, run.target, model, cfg, normalizer, with_alpha=step % cfg.log_every == 0)
@@ -684,54 +427,58 @@ def optimizer_step(run: Run, step: int, stop: StopRequest) -> tuple[dict, dict, 
         c = acceptance_counts(m["correct"], m["valid"], m["alpha"])
         counts = c if counts is None else counts + c
         step_tokens += int(batch.attention_mask.sum())
-    # One small all-reduce so the logged loss, terms, acceptance and tokens cover every process.
-    # The stop request rides along, so every process stops after the same step.
+    return loss_sum, step_tokens, counts, terms, tree_counts
+
+
+def reduce_stats(run: Run, loss_sum: float, step_tokens: int, counts, terms, tree_counts,
+                 stop_requested: bool) -> tuple[float, int, torch.Tensor, dict, list[float], bool]:
+    """This process's sums -> (mean loss, tokens, acceptance counts, mean terms by name, tree
+    distillation's [nodes, agreeing argmaxes], whether any process asked to stop), over every
+    process: one small all-reduce. The stop request rides along, so every process stops after the
+    same step."""
+    cfg, accelerator = run.cfg, run.accelerator
     stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms, tree_counts,
-                       torch.tensor([float(stop.requested)], dtype=torch.float64)])
+                       torch.tensor([float(stop_requested)], dtype=torch.float64)])
     stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
-    stop_after_step, (tree_nodes, tree_agree), stats = stats[-1].item() > 0, stats[-3:-1].tolist(), stats[:-3]
-    loss_sum, run.tokens = stats[0].item() / accelerator.num_processes, run.tokens + int(stats[1])
+    stop_after_step, tree, stats = stats[-1].item() > 0, stats[-3:-1].tolist(), stats[:-3]
+    loss, tokens = stats[0].item() / accelerator.num_processes, int(stats[1])
     counts, terms = stats[2 : 2 + len(counts)], stats[2 + len(counts) :] / accelerator.num_processes
     names = term_names(cfg) + ["tree"] * (cfg.tree_distill.weight > 0)
     terms = {name: round(v, 6) for name, v in zip(names, terms.tolist())}
-    grad_norm = accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
+    return loss, tokens, counts, terms, tree, stop_after_step
+
+
+def apply_update(run: Run, step: int, loss: float) -> tuple[float | None, float]:
+    """Clip, check the loss and gradient norm are finite, then the optimizer, schedule (and W1's
+    embedding path) step and the gradients are cleared -> (gradient norm, the step's learning
+    rate). Under DeepSpeed the norm is read, and checked, only after the step (optimizer_step)."""
+    cfg, drafter = run.cfg, run.drafter
+    grad_norm = run.accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
     if run.engine != "deepspeed":  # DeepSpeed reports its norm after its step
         grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
-        check_finite_step(step, loss_sum, grad_norm, run.out)  # the same numbers on every process
+        check_finite_step(step, loss, grad_norm, run.out)  # the same numbers on every process
     lr = run.sched.get_last_lr()[0]  # the rate this step uses
     run.opt.step()
     run.sched.step()
     if run.shared_w1 is not None:  # reads the table's gradient: before it is cleared
         run.shared_w1.step()
     run.opt.zero_grad(set_to_none=True)
-    run.train_time += time.time() - t0
+    return grad_norm, lr
 
-    live = acceptance_metrics(counts)
-    if run.engine == "deepspeed":
-        grad_norm = grad_norm_of(drafter, run.engine, grad_norm)
-        check_finite_step(step, loss_sum, grad_norm, run.out)
+
+def step_record(run: Run, step: int, loss: float, terms: dict, lr: float, grad_norm: float | None, live: dict,
+                tree: list[float]) -> dict:
+    """A training step's line of metrics.jsonl (validation adds its val_* keys)."""
     grad_norm = None if grad_norm is None else round(grad_norm, 6)
-    record = {"step": step, "loss": round(loss_sum, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
+    record = {"step": step, "loss": round(loss, 6), "terms": terms, "lr": lr, "grad_norm": grad_norm,
               "eal": round(live["eal"], 4), "acc_1": round(live["acc_per_position"][0], 4),
               "alpha_per_position": [round(a, 4) for a in live["alpha_per_position"]], "tokens": run.tokens,
               "train_tokens_per_s": round(run.tokens / run.train_time, 1)}
-    if step % cfg.log_every and accelerator.unwrap_model(drafter).lm_head is not None:
+    if step % run.cfg.log_every and run.accelerator.unwrap_model(run.drafter).lm_head is not None:
         del record["alpha_per_position"]  # a draft-vocabulary step computes alpha on log steps only
+    tree_nodes, tree_agree = tree
     if tree_nodes:  # tree distillation: the share of its nodes where the drafter's argmax is the target's
         record["tree_agree"] = round(tree_agree / tree_nodes, 4)
-    return record, live, (epoch, in_epoch), stop_after_step
-
-
-def validation_record(val: dict) -> dict:
-    """validate()'s result -> the val_* keys of a metrics record."""
-    record = {"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
-              "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
-              "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
-              "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
-              "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
-              **{f"val_{k}": None if val[k] is None else round(val[k], 4) for k in ("on_spine_acc", "off_spine_acc")}}
-    if "confidence" in val:  # DSpark: the confidence head's calibration per slot
-        record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
     return record
 
 
@@ -767,55 +514,6 @@ def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
         print(f"for {what}, the best validated drafter is {out / c['folder']} (step {c['step']}: {c['value']:.2f})")
 
 
-def choose_checkpoint(out: Path, cfg: RunConfig) -> dict:
-    """Of the saved drafters that were validated (checkpoints/step_N/ still on disk, and final/),
-    the one with the best held-out DDTree tau at eval.deploy_budget (the chain's EAL without one;
-    ties: the later step). Read from metrics.jsonl, so validations before a resume count too."""
-    key = "val_eal" if cfg.eval.deploy_budget is None else "val_ddtree_tau"
-    def folder(step: int) -> str:
-        return "final" if step == cfg.max_steps else f"checkpoints/step_{step:06d}"
-
-    scores = {}
-    for line in (out / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        if key in r and (folder(r["step"]) == "final" or (out / folder(r["step"])).is_dir()):
-            scores[r["step"]] = r[key] if cfg.eval.deploy_budget is None else r[key][str(cfg.eval.deploy_budget)]
-    step = max(scores, key=lambda s: (scores[s], s))
-    return {"budget": cfg.eval.deploy_budget, "metric": "ddtree_tau" if cfg.eval.deploy_budget else "chain_eal",
-            "step": step, "folder": folder(step), "value": scores[step],
-            "validated": {str(s): v for s, v in sorted(scores.items())}}
-
-
-def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,
-                             state: dict) -> None:
-    """checkpoints/step_N/: the full drafter weights (loadable like final/) plus what an exact
-    resume needs. Every process takes part (gathers under FSDP / ZeRO); the main process writes
-    into a temporary folder that is renamed only when complete, so a restart never picks half a
-    checkpoint. DeepSpeed's engine writes its own sharded state into it first."""
-    weights = full_model_state(accelerator, drafter, engine)
-    check_finite_weights(weights, accelerator, state["step"], folder.parent.parent)
-    optimizer = None if engine == "deepspeed" else full_optimizer_state(accelerator, drafter, opt)
-    tmp = folder.with_name(f".{folder.name}.partial")
-    if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    if engine == "deepspeed":  # optimizer partitions, per process
-        accelerator.save_state(str(tmp / DEEPSPEED_STATE))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        write_checkpoint(tmp, accelerator.unwrap_model(drafter), target, dump_recipe(cfg),
-                        state={**state, "optimizer": optimizer, "engine": engine}, weights=weights)
-        os.replace(tmp, folder)
-    accelerator.wait_for_everyone()
-
-
-def kept_state(out: Path) -> str:
-    """What a stopped run leaves to resume from."""
-    newest = newest_checkpoint(out)
-    return f"its newest checkpoint {newest} is kept" if newest else "it has no checkpoint yet"
-
-
 def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path) -> None:
     """A non-finite loss or gradient norm stops training (before the step's update, except under
     DeepSpeed, whose engine reports its norm after it); the step is not saved."""
@@ -823,16 +521,6 @@ def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path
         if value is not None and not math.isfinite(value):
             raise UserError(f"step {step}: the {name} is {value}: training stopped and nothing of this step is "
                             f"saved; {kept_state(out)} (lower train.lr, or check the data and loss.terms)")
-
-
-def check_finite_weights(weights: dict, accelerator, step: int, out: Path) -> None:
-    """Before writing a checkpoint or final/: every weight finite, decided on every process together
-    (under FSDP / ZeRO-3 only the main process holds the gathered weights: the others hold {} or None)."""
-    bad = [k for k, v in (weights or {}).items() if v.is_floating_point() and not torch.isfinite(v).all()]
-    n = accelerator.reduce(torch.tensor([float(len(bad))], device=accelerator.device), reduction="sum").item()
-    if n:
-        raise UserError(f"step {step}: the drafter's weights are not finite{f' ({bad[0]})' if bad else ''}: nothing "
-                        f"of this step was saved, {kept_state(out)} (lower train.lr)")
 
 
 def flat_for_tracker(record: dict) -> dict:

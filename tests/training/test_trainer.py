@@ -349,45 +349,11 @@ def test_ddtree_max_blocks_caps_the_whole_validation(tmp_path, small_data, monke
     """eval.ddtree_max_blocks is the number of blocks scored with trees in a validation (per
     process), not per validation batch: 2 batches of 4 rows x 4 anchors with a cap of 10 score
     10 blocks (before: 10 + 10)."""
-    import dflash_train.training.trainer as train_module
+    import dflash_train.training.validate as validate_module
 
     scored = []
-    real = train_module.ddtree_acceptance
-    monkeypatch.setattr(train_module, "ddtree_acceptance",
+    real = validate_module.ddtree_acceptance
+    monkeypatch.setattr(validate_module, "ddtree_acceptance",
                         lambda logits, labels, *a: scored.append(len(labels)) or real(logits, labels, *a))
     main(quick(tmp_path / "run", small_data, "eval.max_samples=8", "eval.num_anchors=4", "eval.ddtree_max_blocks=10"))
     assert sum(scored) == 10, scored
-
-
-def test_overwrite_of_the_current_folder_keeps_it_and_a_run_around_it_is_refused(tmp_path, monkeypatch):
-    """Issue 30: output_dir=. overwrite=true was a traceback once everything had loaded (renaming '.':
-    EBUSY), and the current folder named by its path was moved aside and deleted. It stays now,
-    emptied and marked; an output_dir holding the current folder is refused before anything loads."""
-    from types import SimpleNamespace
-
-    from dflash_train.core.errors import UserError
-    from dflash_train.core.outputs import marker_kind, write_marker
-    from dflash_train.training.config import load_recipe
-    from dflash_train.training.trainer import open_output_dir, plan_output_dir
-
-    run = tmp_path / "run"
-    run.mkdir()
-    write_marker(run, "train")
-    (run / "summary.json").write_text("{}")  # a finished run of ours
-    inode = run.stat().st_ino
-    monkeypatch.chdir(run)
-    one_process = SimpleNamespace(wait_for_everyone=lambda: None, is_main_process=True)
-    for given in [".", str(run)]:
-        (run / "summary.json").write_text("{}")
-        plan = plan_output_dir(load_recipe(None, [f"output_dir={given}", "overwrite=true"]))
-        assert plan.replace
-        open_output_dir(Path(given), plan, one_process)
-        assert run.stat().st_ino == inode and Path.cwd() == run
-        assert [p.name for p in run.iterdir()] == [MARKER]
-        assert marker_kind(run) == "train" and sorted(p.name for p in tmp_path.iterdir()) == ["run"]
-    (run / "summary.json").write_text("{}")
-    (run / "notes").mkdir()
-    monkeypatch.chdir(run / "notes")
-    with pytest.raises(UserError, match=rf"^output_dir '\.\.' holds the current folder '{run / 'notes'}'"):
-        plan_output_dir(load_recipe(None, ["output_dir=..", "overwrite=true"]))
-    assert sorted(p.name for p in run.iterdir()) == sorted([MARKER, "notes", "summary.json"])

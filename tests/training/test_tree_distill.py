@@ -89,7 +89,7 @@ def batch(tiny_target, small_data):
 
 def distil(drafter, target, batch, step=0, budget=12, anchors=3):
     """The training step's tree term on the batch, as trainer.distilled_trees computes it."""
-    from dflash_train.training.trainer import cpu_tree_scorer
+    from dflash_train.training.validate import cpu_tree_scorer
 
     a, ok = draw_anchors(batch, 8, seed=0, step=step)
     o = anchored_blocks(drafter, target, batch, a, ok, drafter.config.target_layer_ids, B,
@@ -164,7 +164,7 @@ def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_pat
     import shutil
     shutil.rmtree(out / "checkpoints" / "step_000001")  # a checkpoint no longer on disk cannot be chosen
     from dflash_train.training.config import load_recipe as recipe
-    from dflash_train.training.trainer import choose_checkpoint
+    from dflash_train.training.resume import choose_checkpoint
     chosen = choose_checkpoint(out, recipe(str(out / "final" / "recipe.yaml")))
     taus = {r["step"]: r["val_ddtree_tau"]["8"] for r in steps if r["step"] > 1}
     best = max(taus, key=lambda s: (taus[s], s))
@@ -201,7 +201,7 @@ def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_pat
 
 def test_a_run_saved_before_tree_distillation_existed_still_resumes(tmp_path):
     from dflash_train.core.errors import UserError
-    from dflash_train.training.trainer import check_same_recipe
+    from dflash_train.training.resume import check_same_recipe
 
     cfg = load_recipe(None, ["model.variant=dspark"])
     saved = cfg.model_dump(mode="json")
@@ -209,13 +209,3 @@ def test_a_run_saved_before_tree_distillation_existed_still_resumes(tmp_path):
     check_same_recipe(saved, cfg, tmp_path, "x")  # the added section at its defaults: the same recipe
     with pytest.raises(UserError, match="tree_distill.weight"):
         check_same_recipe(saved, load_recipe(None, ["model.variant=dspark", "tree_distill.weight=1"]), tmp_path, "x")
-
-
-def test_the_deploy_budget_may_change_on_resume_and_the_math_may_not(tmp_path):
-    from dflash_train.core.errors import UserError
-    from dflash_train.training.trainer import check_same_recipe
-
-    saved = load_recipe(None, []).model_dump(mode="json")
-    check_same_recipe(saved, load_recipe(None, ["eval.deploy_budget=64"]), tmp_path, "x")  # only names a checkpoint
-    with pytest.raises(UserError, match=r"eval.ddtree_budgets"):
-        check_same_recipe(saved, load_recipe(None, ["eval.ddtree_budgets=[8]"]), tmp_path, "x")

@@ -70,7 +70,7 @@ def step_times(steps: int, overrides: list[str], seed: int) -> dict[str, list[fl
     from dflash_train.data.dataset import collate, load_conversations
     from dflash_train.model.loss import loss_divisor
     from dflash_train.model.target import load_target
-    from dflash_train.training.trainer import training_loss
+    from dflash_train.training.objective import training_loss
 
     cfgs = {k: load_recipe(p, overrides) for k, p in RECIPES.items()}
     target = load_target(cfgs["dflash"].model.target)

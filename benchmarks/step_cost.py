@@ -42,7 +42,8 @@ from dflash_train.model.target import load_target
 from dflash_train.training.blocks import anchored_blocks, block_slots, draw_anchors
 from dflash_train.training.build import attach_draft_vocab, init_drafter
 from dflash_train.training.config import load_recipe
-from dflash_train.training.trainer import training_loss, validate
+from dflash_train.training.objective import training_loss
+from dflash_train.training.validate import validate
 
 PARTS = ("blocks", "loss", "backward", "optimizer")
 

@@ -129,7 +129,7 @@ def _sync(device: torch.device) -> None:
 
 def draft_batch(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: torch.Tensor,
                 start: int) -> torch.Tensor:
-    """decode.draft_block for `c` requests at once: bonus [c] -> draft logits [c, B-1, V].
+    """proposers.draft_block for `c` requests at once: bonus [c] -> draft logits [c, B-1, V].
     ctx holds c contexts of equal length (positions start..start+B-1 for every request)."""
     B, device = drafter.config.block_size, bonus.device
     block = torch.full((bonus.shape[0], B), drafter.config.mask_token_id, device=device)

@@ -173,9 +173,14 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
         "```", "", "</details>"])
 
 
+def is_dspark_dflash2(cfg) -> tuple[bool, bool]:
+    """The card's text differs by variant in four places: (DSpark?, DFlash2?)."""
+    return cfg.variant == "dspark", cfg.variant == "dflash2"
+
+
 def algorithm_text(cfg) -> str:
     """The card's one-line account of the variant's drafting."""
-    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    dspark, dflash2 = is_dspark_dflash2(cfg)
     text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
     if dspark:
         text = (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
@@ -190,7 +195,7 @@ def algorithm_text(cfg) -> str:
 
 def vllm_text(fmt: str, cfg, pin: dict, serve_ref: str) -> str:
     """The vLLM command(s) that serve the export."""
-    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    dspark, dflash2 = is_dspark_dflash2(cfg)
     if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
         spec = json.dumps({"method": "dspark", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
         vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
@@ -207,7 +212,7 @@ def vllm_text(fmt: str, cfg, pin: dict, serve_ref: str) -> str:
 
 def limitations_text(cfg, pin: dict) -> str:
     """Limitations beyond the template's: an unpublished verifier, what vLLM serves of the variant."""
-    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    dspark, dflash2 = is_dspark_dflash2(cfg)
     extra = "" if pin["kind"] != "content_sha256" else (
         "- The verifier is a local folder with no Hub revision; publish it or re-export with "
         "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
@@ -234,7 +239,7 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
     if recipe_text:
         d = yaml.safe_load(recipe_text)["data"]
         datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
-    dspark, dflash2 = cfg.variant == "dspark", cfg.variant == "dflash2"
+    dspark, dflash2 = is_dspark_dflash2(cfg)
     name = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[cfg.variant]
     card_data = ModelCardData(base_model=hub_verifier, library_name="speculators" if fmt == SPECULATORS else "vllm",
                               tags=["speculators", "speculative-decoding", "dflash", "ddtree"]

@@ -35,7 +35,6 @@ square), `anchors` tree builds (as validation's) and [anchors * (budget + 1), V]
 """
 
 import torch
-import torch.nn.functional as F
 
 from dflash_train.decoding.ddtree import DraftTree, build_tree
 from dflash_train.training.tree_labels import tree_target_logits
@@ -108,7 +107,7 @@ def tree_distillation_loss(model, target, ids: torch.Tensor, block_hidden: torch
     """One sequence's blocks. model: the unwrapped drafter; target: dflash_train.model.target.Target;
     ids [T] (the sequence, no padding); block_hidden [n, B, H] (those blocks' final states; read
     detached); anchors: their positions in ids (slot 0 = the token there); conditional: (hidden [B, H],
-    bonus) -> the tree's scorer (trainer.cpu_tree_scorer), None for DFlash's marginal tree.
+    bonus) -> the tree's scorer (validate.cpu_tree_scorer), None for DFlash's marginal tree.
     -> (mean KL over the nodes, with grad in the conditional head; {"nodes": m, "agree": how many nodes' argmax q is the
     target's argmax}).
 

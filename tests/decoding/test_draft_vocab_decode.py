@@ -95,7 +95,7 @@ def test_a_budget_above_the_kept_prefixes_adds_only_minus_inf_nodes(tiny_target,
 
 @torch.no_grad()
 def test_the_cost_models_draft_batch_drafts_in_the_vocabulary_as_decoding_does(tiny_target, drafter):
-    """evaluation/costs.draft_batch (c requests at once) gives decode.draft_block's logits per request:
+    """evaluation/costs.draft_batch (c requests at once) gives proposers.draft_block's logits per request:
     the draft head's, -inf outside the draft vocabulary."""
     from dflash_train.evaluation.costs import draft_batch
     from dflash_train.model.drafter import ContextCache

@@ -5,7 +5,8 @@ import os
 import sys
 
 if __name__ == "__main__" and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
-    sys.path.pop(0)  # run as a file: dflash_train/ must not be an import root (its data/, model/ would shadow)
+    # run as a file: dflash_train/ must not be an import root (its data/, model/ would shadow)
+    sys.path.pop(0)
 
 from dflash_train.cli.train import main  # noqa: E402
 

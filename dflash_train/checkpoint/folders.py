@@ -45,7 +45,8 @@ def check_matches_target(cfg: DrafterConfig, target: Target) -> None:
                                ("vocabulary size", cfg.vocab_size, tc.vocab_size),
                                ("layer count", cfg.num_target_layers, tc.num_hidden_layers)]:
         if mine is not None and mine != theirs:
-            raise UserError(f"drafter does not match target '{target.name_or_path}': {name} {mine} vs {theirs}")
+            raise UserError(f"drafter does not match target '{target.name_or_path}': {name} {mine} vs "
+                            f"{theirs}")
 
 
 def write_drafter(folder: Path, drafter: DFlashDrafter, target: Target, recipe_yaml: str | None = None,
@@ -107,7 +108,8 @@ def distilled_steps(folder: Path) -> dict | None:
 def recipe_trained_for(r: dict) -> dict:
     """trained_for from a recipe already read (a dict)."""
     td = r.get("tree_distill") or {}
-    return {"deploy_budget": (r.get("eval") or {}).get("deploy_budget"), "tree_distill": td if td.get("weight") else None}
+    return {"deploy_budget": (r.get("eval") or {}).get("deploy_budget"),
+            "tree_distill": td if td.get("weight") else None}
 
 
 def resolve_folder(path_or_id: str | Path) -> Path:
@@ -163,7 +165,8 @@ def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
                         f"unexpected {sorted(extra)[:3]}")
     for k, v in state.items():
         if v.shape != expected[k].shape:
-            raise UserError(f"'{path}' weight {k} has shape {tuple(v.shape)}, config says {tuple(expected[k].shape)}")
+            raise UserError(f"'{path}' weight {k} has shape {tuple(v.shape)}, config says "
+                            f"{tuple(expected[k].shape)}")
     if cfg.draft_vocab_size is not None:  # a d2t / t2d pair that disagrees would serve wrong tokens
         draft_vocab_from_tensors(state["d2t"], state["t2d"], f"'{path}'")
     drafter.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
@@ -256,5 +259,5 @@ def check_resumable(folder: Path, drafter: DFlashDrafter) -> None:
                         ("intermediate size", "intermediate_size"), ("layer count", "num_hidden_layers")]:
         mine, theirs = getattr(drafter.config, field), getattr(saved, field)
         if mine != theirs:
-            raise UserError(f"cannot resume from {folder}: it holds a drafter of {name} {theirs}, the target now "
-                            f"gives {mine} (the target changed since?)")
+            raise UserError(f"cannot resume from {folder}: it holds a drafter of {name} {theirs}, the target "
+                            f"now gives {mine} (the target changed since?)")

@@ -61,9 +61,11 @@ def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
     if size is None:
         return
     if not 2 <= size < vocab:  # N = V is written as no draft vocabulary (null)
-        raise ValueError(f"draft_vocab_size {size} must be in 2..{vocab - 1} (below the verifier's vocabulary)")
+        raise ValueError(f"draft_vocab_size {size} must be in 2..{vocab - 1} (below the verifier's "
+                         "vocabulary)")
     if not VARIANTS[variant].draft_vocab:
-        raise ValueError(f"a {variant} drafter drafts over the full vocabulary: draft_vocab_size {size} < {vocab}")
+        raise ValueError(f"a {variant} drafter drafts over the full vocabulary: draft_vocab_size {size} < "
+                         f"{vocab}")
 
 
 class DrafterFields(Strict):
@@ -158,7 +160,8 @@ class SpeculatorsFile(Open):
     def _fits(self):
         extra = self.dflash_train or ExtraFields()
         check_sizes(self.transformer_layer_config.vocab_size, self.mask_token_id,
-                    [i - 1 for i in self.aux_hidden_state_layer_ids], extra.num_target_layers, self.selector_top_k)
+                    [i - 1 for i in self.aux_hidden_state_layer_ids], extra.num_target_layers,
+                    self.selector_top_k)
         return self
 
 
@@ -217,12 +220,15 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
     fmt = detect_format(config)
     try:
         if fmt == OURS:
-            return DrafterConfig(**config["drafter"]), {"format": fmt, **{k: config.get(k) for k in ("target", "mask_token")}}
+            return (DrafterConfig(**config["drafter"]),
+                    {"format": fmt, **{k: config.get(k) for k in ("target", "mask_token")}})
         if fmt == SPECULATORS:
             tl = config["transformer_layer_config"]
             extra = config.get("dflash_train", {})
-            # speculators runs full-attention layers bidirectionally; an explicit is_causal (ours) says otherwise
-            cfg = DrafterConfig(**_qwen3(tl), block_size=config["block_size"], mask_token_id=config["mask_token_id"],
+            # speculators runs full-attention layers bidirectionally; an explicit is_causal (ours) says
+            # otherwise
+            cfg = DrafterConfig(**_qwen3(tl), block_size=config["block_size"],
+                                mask_token_id=config["mask_token_id"],
                                 target_layer_ids=[i - 1 for i in config["aux_hidden_state_layer_ids"]],
                                 num_target_layers=extra.get("num_target_layers"),
                                 block_attention=_block_attention(tl.get("is_causal")),
@@ -230,7 +236,8 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
                                 draft_vocab_size=_speculators_draft_vocab(config))
             verifier = config.get("speculators_config", {}).get("verifier", {})
             return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
-                                                   "revision": (config.get("verifier_pin") or {}).get("revision")},
+                                                   "revision": (config.get("verifier_pin")
+                                                                or {}).get("revision")},
                          "mask_token": extra.get("mask_token")}
         dflash = config["dflash_config"]
         block = config.get("block_size") or dflash["block_size"]
@@ -239,9 +246,11 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
         cfg = DrafterConfig(**_qwen3(config), block_size=block, mask_token_id=dflash["mask_token_id"],
                             target_layer_ids=list(dflash["target_layer_ids"]),
                             num_target_layers=config.get("num_target_layers"),
-                            block_attention=_block_attention(dflash.get("causal") if causal is None else causal))
+                            block_attention=_block_attention(dflash.get("causal") if causal is None
+                                                             else causal))
         pin = config.get("verifier_pin") or {}
-        return cfg, {"format": fmt, "target": {"name_or_path": pin.get("name_or_path"), "revision": pin.get("revision")},
+        return cfg, {"format": fmt,
+                     "target": {"name_or_path": pin.get("name_or_path"), "revision": pin.get("revision")},
                      "mask_token": (config.get("dflash_train") or {}).get("mask_token")}
     except (KeyError, TypeError) as e:
         raise UserError(f"{fmt} config.json is missing or has a malformed field: {e}") from e
@@ -253,7 +262,8 @@ def _speculators_draft_vocab(config: dict) -> int | None:
     if size is None or size == vocab:
         return None
     if size > vocab:
-        raise UserError(f"Speculators config has draft_vocab_size {size} above the verifier's vocabulary ({vocab})")
+        raise UserError(f"Speculators config has draft_vocab_size {size} above the verifier's vocabulary "
+                        f"({vocab})")
     return size  # below it: DSpark and DFlash2 refuse it in their from_speculators
 
 
@@ -303,15 +313,16 @@ def native_config(cfg: DrafterConfig, pin: dict, mask_token: str | None) -> dict
     No auto_map: we do not ship z-lab's modelling code (vLLM reads `architectures`)."""
     qwen3 = cfg.qwen3_config()
     # the fields that differ from Qwen3's defaults, plus the shape fields written out explicitly
-    q = {**qwen3.to_diff_dict(), **{k: getattr(qwen3, k) for k in QWEN3_FIELDS}, "hidden_act": qwen3.hidden_act}
+    q = {**qwen3.to_diff_dict(), **{k: getattr(qwen3, k) for k in QWEN3_FIELDS},
+         "hidden_act": qwen3.hidden_act}
     for k in ("architectures", "auto_map", "transformers_version", "dtype", "torch_dtype"):
         q.pop(k, None)
     causal = cfg.block_attention == "causal"
     return {"architectures": ["DFlashDraftModel"], **q, "model_type": "qwen3", "block_size": cfg.block_size,
             "num_target_layers": cfg.num_target_layers, "tie_word_embeddings": False,
             "is_causal": causal,  # vLLM reads it first; z-lab configs omit it (non-causal full layers)
-            "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                              "causal": causal},
+            "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                              "target_layer_ids": list(cfg.target_layer_ids), "causal": causal},
             "verifier_pin": pin, "dflash_train": {"mask_token": mask_token}}
 
 

@@ -31,12 +31,15 @@ def parse_args(argv):
     p.add_argument("--append", action="store_true",
                    help="extend a complete cache of the first rows of --data (a corpus that grew at its end, "
                         "dflash-prepare --append-to): its full shards are kept")
-    p.add_argument("--target-layer-ids", default=None, help="comma-separated taps (z-lab ids); default: DFlash's rule")
-    p.add_argument("--num-draft-layers", type=int, default=2, help="for the default taps: one per drafter layer")
+    p.add_argument("--target-layer-ids", default=None,
+                   help="comma-separated taps (z-lab ids); default: DFlash's rule")
+    p.add_argument("--num-draft-layers", type=int, default=2,
+                   help="for the default taps: one per drafter layer")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="the target's weights while it computes the states (not how they are stored: --dtype): "
-                        "auto = bf16 on a GPU that has it, else fp32; bf16 on a CPU with AVX-512 BF16 is ~3x faster")
+                   help="the target's weights while it computes the states (not how they are stored: "
+                        "--dtype): auto = bf16 on a GPU that has it, else fp32; bf16 on a CPU with AVX-512 "
+                        "BF16 is ~3x faster")
     p.add_argument("--max-length", type=int, default=256, help="as data.max_length in the recipe")
     p.add_argument("--shard-rows", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=8,
@@ -58,7 +61,8 @@ def parse_args(argv):
             p.error(f"--device '{args.device}' is not a device: use auto, cpu, cuda or cuda:N")
         if device.type not in ("cpu", "cuda"):
             p.error(f"--device '{args.device}': use auto, cpu, cuda or cuda:N")
-        if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        if device.type == "cuda" and (not torch.cuda.is_available()
+                                      or (device.index or 0) >= torch.cuda.device_count()):
             p.error(f"--device '{args.device}': this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     if args.target_layer_ids is not None:
         try:
@@ -91,17 +95,18 @@ def run(args) -> None:
     try:
         check_tap_layers(layer_ids, target.num_layers)
     except UserError as e:  # its words are the recipe's: name this command's flag instead
-        flag = "--target-layer-ids" if args.target_layer_ids else f"the taps for --num-draft-layers {args.num_draft_layers}"
+        flag = ("--target-layer-ids" if args.target_layer_ids
+                else f"the taps for --num-draft-layers {args.num_draft_layers}")
         raise UserError(str(e).replace("model.target_layer_ids", flag)) from None
     ds = load_conversations(args.data, target.tokenizer, args.max_length)
     try:
-        m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size, args.overwrite,
-                        args.append)
+        m = build_cache(target, ds, layer_ids, out, args.dtype, args.shard_rows, args.batch_size,
+                        args.overwrite, args.append)
     except KeyboardInterrupt:
         m = None
     if m is None:  # outside the except block, so the progress bar has closed before our line
-        raise Interrupted(f"interrupted with {shards_done(out)} of {-(-len(ds) // args.shard_rows)} shards done; rerun "
-                          "the same command to resume")
+        raise Interrupted(f"interrupted with {shards_done(out)} of {-(-len(ds) // args.shard_rows)} shards "
+                          "done; rerun the same command to resume")
     print(f"{len(m['shards'])} shard(s), {m.get('bytes_on_disk', 0):,} bytes for {m['tokens']:,} tokens "
           f"({m.get('bytes_on_disk', 0) / m['tokens']:.0f} bytes/token on disk) in {out}")
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dflash_train.checkpoint.folders import (check_matches_target, drafter_fingerprint, load_drafter, resolve_folder,
-                                             trained_for)
+from dflash_train.checkpoint.folders import (check_matches_target, drafter_fingerprint, load_drafter,
+                                             resolve_folder, trained_for)
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
 from dflash_train.core.progress import BAR_INTERVAL
@@ -70,8 +70,8 @@ def parse_concurrency(text: str) -> list[int]:
     if not levels or levels[0] < 1:
         raise UserError(f"--concurrency must be integers >= 1, got '{text}'")
     if levels[-1] > MAX_CONCURRENCY:
-        raise UserError(f"--concurrency {levels[-1]} is above the limit of {MAX_CONCURRENCY} requests (the cost "
-                        "curve runs the drafter on that many contexts at once)")
+        raise UserError(f"--concurrency {levels[-1]} is above the limit of {MAX_CONCURRENCY} requests (the "
+                        "cost curve runs the drafter on that many contexts at once)")
     return levels
 
 
@@ -97,26 +97,31 @@ def resolve_device(text: str) -> torch.device:
 def parse_args(argv):
     p = OneLineArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0])
     p.add_argument("--drafter", required=True, help="drafter folder (from training, or an export)")
-    p.add_argument("--target", default=None, help="target folder or Hub id (default: the one the drafter names)")
+    p.add_argument("--target", default=None,
+                   help="target folder or Hub id (default: the one the drafter names)")
     p.add_argument("--target-revision", default=None)
     p.add_argument("--suite", action="append", default=None,
-                   help=f"suite name, NAME=local_file or a messages .jsonl (repeatable; default {DEFAULT_SUITE})")
-    p.add_argument("--budgets", default="4,16,64,256", help="DDTree budgets (non-root nodes); 0 = plain decoding")
+                   help="suite name, NAME=local_file or a messages .jsonl (repeatable; default "
+                        f"{DEFAULT_SUITE})")
+    p.add_argument("--budgets", default="4,16,64,256",
+                   help="DDTree budgets (non-root nodes); 0 = plain decoding")
     p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
-                   help="a DSpark or DFlash2 drafter's DDTree: path-conditioned (default; DFlash2: by its selector) "
-                        "or from the backbone's marginals")
+                   help="a DSpark or DFlash2 drafter's DDTree: path-conditioned (default; DFlash2: by its "
+                        "selector) or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
-    p.add_argument("--repeats", type=int, default=1, help="times the whole interleaved sweep runs (timing samples)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="times the whole interleaved sweep runs (timing samples)")
     p.add_argument("--concurrency", default="1,4,16",
                    help="requests sharing one verify forward, for the predicted speedups")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
-                   help="target and drafter weights: auto = bf16 on a GPU that has it, else fp32; bf16 on a CPU "
-                        "with AVX-512 BF16 verifies ~1.7x faster, but a tree's verify forward rounds differently "
-                        "from AR's, so at temperature 0 outputs can part at near-ties: lossless is exact in fp32")
+                   help="target and drafter weights: auto = bf16 on a GPU that has it, else fp32; bf16 on a "
+                        "CPU with AVX-512 BF16 verifies ~1.7x faster, but a tree's verify forward rounds "
+                        "differently from AR's, so at temperature 0 outputs can part at near-ties: lossless "
+                        "is exact in fp32")
     p.add_argument("--verify-times", default=None,
                    help="costs JSON from benchmarks/gpu_costs.py: also predict speedups on that device")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -126,11 +131,13 @@ def parse_args(argv):
     if not math.isfinite(args.temperature) or args.temperature < 0:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.max_new_tokens < 2:
-        p.error("--max-new-tokens must be >= 2 (the first token comes from the prefill; rounds decode the rest)")
+        p.error("--max-new-tokens must be >= 2 (the first token comes from the prefill; rounds decode the "
+                "rest)")
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
     if not 1 <= args.repeats <= MAX_REPEATS:  # each repeat keeps every sample in memory (1e9 was OOM-killed)
-        p.error(f"--repeats must be in 1..{MAX_REPEATS} (timing samples of the whole sweep), got {args.repeats}")
+        p.error(f"--repeats must be in 1..{MAX_REPEATS} (timing samples of the whole sweep), got "
+                f"{args.repeats}")
     args.budgets = parse_budgets(args.budgets)
     args.concurrency = parse_concurrency(args.concurrency)
     args.device = resolve_device(args.device)
@@ -154,15 +161,16 @@ def run(args, argv) -> None:
     twice = next((n for n in names if names.count(n) > 1), None)
     if twice is not None:  # one heading and one report.json name would merge them
         specs = [s for s, (n, _) in zip(args.suite, suites) if n == twice]
-        raise UserError(f"--suite: {' and '.join(specs)} are both named '{twice}' (a suite file is named by its "
-                        "stem): give each suite once, under its own file name")
+        raise UserError(f"--suite: {' and '.join(specs)} are both named '{twice}' (a suite file is named by "
+                        "its stem): give each suite once, under its own file name")
 
     drafter, meta = load_drafter(args.drafter)
     fingerprint = drafter_fingerprint(drafter)  # of the drafter as stored, before any cast or move
     device = args.device
     dtype = target_dtype(args.target_dtype, device)
     target_id = args.target or meta["target"]["name_or_path"]
-    target = load_target(target_id, revision=args.target_revision or (None if args.target else meta["target"]["revision"]),
+    target = load_target(target_id, revision=args.target_revision or (None if args.target
+                                                                      else meta["target"]["revision"]),
                          dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
     check_matches_target(drafter.config, target)
     positions = config_positions(target.model.config)
@@ -192,7 +200,8 @@ def run(args, argv) -> None:
                    "target_layer_ids": drafter.config.target_layer_ids,
                    "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch.")},
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
-                   "markov_head_type": drafter.config.markov_head_type, "selector_rank": drafter.config.selector_rank,
+                   "markov_head_type": drafter.config.markov_head_type,
+                   "selector_rank": drafter.config.selector_rank,
                    "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores,
                    "trained_for": trained_for(resolve_folder(args.drafter))})
     write_atomically(out, lambda tmp: write_report(tmp, report), "eval")

@@ -25,21 +25,22 @@ from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
 from dflash_train.core.paths import model_source
 from dflash_train.export.card import model_card, pin_text, run_choice
-from dflash_train.export.writer import check_reports, check_verifier, load_verifier, push, read_reports, write_export
+from dflash_train.export.writer import (check_reports, check_verifier, load_verifier, push, read_reports,
+                                        write_export)
 from dflash_train.model.target import first_line, resolve_pin
 
 # The Hub's license identifiers, from https://huggingface.co/docs/hub/repositories-licenses
 # (huggingface/hub-docs docs/hub/repositories-licenses.md; huggingface_hub ships no list). With
 # `other`, name the license in the repository's LICENSE file.
 HUB_LICENSES = (
-    "apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0 bigcode-openrail-m "
-    "afl-3.0 artistic-2.0 bsl-1.0 bsd bsd-2-clause bsd-3-clause bsd-3-clause-clear c-uda cc cc0-1.0 cc-by-2.0 "
-    "cc-by-2.5 cc-by-3.0 cc-by-4.0 cc-by-sa-3.0 cc-by-sa-4.0 cc-by-nc-2.0 cc-by-nc-3.0 cc-by-nc-4.0 cc-by-nd-4.0 "
-    "cc-by-nc-nd-3.0 cc-by-nc-nd-4.0 cc-by-nc-sa-2.0 cc-by-nc-sa-3.0 cc-by-nc-sa-4.0 cdla-sharing-1.0 "
-    "cdla-permissive-1.0 cdla-permissive-2.0 wtfpl ecl-2.0 epl-1.0 epl-2.0 etalab-2.0 eupl-1.1 agpl-3.0 gfdl gpl "
-    "gpl-2.0 gpl-3.0 lgpl lgpl-2.1 lgpl-3.0 isc lppl-1.3c ms-pl mpl-2.0 odc-by odbl openrail++ osl-3.0 postgresql "
-    "ofl-1.1 ncsa unlicense zlib pddl lgpl-lr deepfloyd-if-license llama2 llama3 llama3.1 llama3.2 llama3.3 gemma "
-    "unknown other").split()
+    "apache-2.0 mit openrail bigscience-openrail-m creativeml-openrail-m bigscience-bloom-rail-1.0 "
+    "bigcode-openrail-m afl-3.0 artistic-2.0 bsl-1.0 bsd bsd-2-clause bsd-3-clause bsd-3-clause-clear c-uda "
+    "cc cc0-1.0 cc-by-2.0 cc-by-2.5 cc-by-3.0 cc-by-4.0 cc-by-sa-3.0 cc-by-sa-4.0 cc-by-nc-2.0 cc-by-nc-3.0 "
+    "cc-by-nc-4.0 cc-by-nd-4.0 cc-by-nc-nd-3.0 cc-by-nc-nd-4.0 cc-by-nc-sa-2.0 cc-by-nc-sa-3.0 "
+    "cc-by-nc-sa-4.0 cdla-sharing-1.0 cdla-permissive-1.0 cdla-permissive-2.0 wtfpl ecl-2.0 epl-1.0 epl-2.0 "
+    "etalab-2.0 eupl-1.1 agpl-3.0 gfdl gpl gpl-2.0 gpl-3.0 lgpl lgpl-2.1 lgpl-3.0 isc lppl-1.3c ms-pl "
+    "mpl-2.0 odc-by odbl openrail++ osl-3.0 postgresql ofl-1.1 ncsa unlicense zlib pddl lgpl-lr "
+    "deepfloyd-if-license llama2 llama3 llama3.1 llama3.2 llama3.3 gemma unknown other").split()
 
 
 def parse_args(argv):
@@ -47,7 +48,8 @@ def parse_args(argv):
     p.add_argument("--format", required=True, help="speculators or dflash")
     p.add_argument("--checkpoint", required=True, help="drafter folder or Hub id (any supported format)")
     p.add_argument("--output", required=True)
-    p.add_argument("--verifier", default=None, help="verifier Hub id or folder (default: the drafter's target)")
+    p.add_argument("--verifier", default=None,
+                   help="verifier Hub id or folder (default: the drafter's target)")
     p.add_argument("--verifier-revision", default=None, help="Hub commit/tag of the verifier to pin")
     p.add_argument("--eval-report", action="append", default=[], help="dflash-eval report.json (repeatable)")
     p.add_argument("--license", default="other", help="the Hub's license id for the card (default: other)")
@@ -57,15 +59,17 @@ def parse_args(argv):
     p.add_argument("--overwrite", action="store_true")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--card-notes", default=None, metavar="FILE",
-                   help="a markdown file added to the card as its Notes section (provenance, training history)")
+                   help="a markdown file added to the card as its Notes section (provenance, training "
+                        "history)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="floating-point weights as (bf16 halves the files; d2t / t2d keep their integer types)")
+                   help="floating-point weights as (bf16 halves the files; d2t / t2d keep their integer "
+                        "types)")
     args = p.parse_args(argv)
     if args.format not in (SPECULATORS, NATIVE):
         p.error(f"unknown --format '{args.format}' (choose speculators or dflash)")
     if args.license not in HUB_LICENSES:
-        p.error(f"--license {args.license!r:.80} is not a Hub license id (e.g. apache-2.0, mit, llama3.1, other; "
-                "list: https://huggingface.co/docs/hub/repositories-licenses)")
+        p.error(f"--license {args.license!r:.80} is not a Hub license id (e.g. apache-2.0, mit, llama3.1, "
+                "other; list: https://huggingface.co/docs/hub/repositories-licenses)")
     if (args.private or args.dry_run) and not args.push_to_hub:
         p.error("--private and --dry-run go with --push-to-hub")
     if args.push_to_hub:
@@ -94,8 +98,8 @@ def main(argv=None):
 
 def run(args) -> None:
     out = Path(args.output)
-    inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier), ("--card-notes", args.card_notes),
-              *[("--eval-report", r) for r in args.eval_report]]
+    inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier),
+              ("--card-notes", args.card_notes), *[("--eval-report", r) for r in args.eval_report]]
     require_free_output(out, args.overwrite, "export", inputs)
     reports = read_reports(args.eval_report)
     notes = read_notes(args.card_notes)
@@ -105,12 +109,13 @@ def run(args) -> None:
         raise UserError(drafter.variant.native_refusal)
     if cfg.draft_vocab_size is not None and args.format == NATIVE:
         raise UserError(f"the native DFlash format has no draft vocabulary (this drafter drafts over "
-                        f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens through its own lm_head / d2t): export "
-                        "it with --format speculators")
+                        f"{cfg.draft_vocab_size} of {cfg.vocab_size} tokens through its own lm_head / d2t): "
+                        "export it with --format speculators")
     verifier = args.verifier or (meta.get("target") or {}).get("name_or_path")
     if not verifier:
         raise UserError("the checkpoint does not name its verifier: pass --verifier")
-    revision = args.verifier_revision or (None if args.verifier else (meta.get("target") or {}).get("revision"))
+    revision = args.verifier_revision or (None if args.verifier
+                                          else (meta.get("target") or {}).get("revision"))
     check_reports(reports, drafter, verifier, revision)
     source = model_source(verifier, "verifier")
     vconfig, vtokenizer = load_verifier(source, revision, args.trust_remote_code)
@@ -120,14 +125,16 @@ def run(args) -> None:
     pin = resolve_pin(source, revision)
     folder = resolve_folder(args.checkpoint)
     # ours: recipe.yaml; an export (re-exported, e.g. with its eval reports): training_recipe.yaml
-    recipe_file = next((folder / n for n in ("recipe.yaml", "training_recipe.yaml") if (folder / n).is_file()), None)
+    recipe_file = next((folder / n for n in ("recipe.yaml", "training_recipe.yaml")
+                        if (folder / n).is_file()), None)
     recipe_text = recipe_file.read_text() if recipe_file else None
-    card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text, reports,
-                      meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder),
+    card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text,
+                      reports, meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder),
                       distilled_steps(folder), notes)
 
-    write_atomically(out, lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
-                                                   recipe_text, reports, args.dtype), "export")
+    write_atomically(out,
+                     lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
+                                              recipe_text, reports, args.dtype), "export")
     print(f"exported {args.format} drafter to {out} (verifier {verifier}, {pin_text(pin)})")
     if args.push_to_hub:
         push(out, args.push_to_hub, args.private, args.dry_run)

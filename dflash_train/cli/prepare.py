@@ -40,8 +40,8 @@ from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import (DROP_REASONS, FORMATS, INFO_FILE, ROLE_NAMES, Fields, append_rows,
                                     check_appendable, encode_conversations, end_of_turn, input_kind,
-                                    read_conversations, read_prepared, read_rows, split_indices, template_sha256,
-                                    to_dataset)
+                                    read_conversations, read_prepared, read_rows, split_indices,
+                                    template_sha256, to_dataset)
 from dflash_train.data.engine import static_generate
 from dflash_train.model.target import (LOAD_ERRORS, check_positions, first_line, load_target, max_positions,
                                        target_dtype)
@@ -60,7 +60,8 @@ MAX_NEW_TOKENS = 2048  # tokens per regenerated answer
 def parse_args(argv):
     p = OneLineArgumentParser(prog="dflash-prepare", description=__doc__.splitlines()[0],
                               epilog="Then: dflash-train data.train=OUT/train data.val=OUT/val")
-    p.add_argument("--input", required=True, help="a .jsonl/.json/.parquet file, or a Hub dataset id (owner/name)")
+    p.add_argument("--input", required=True,
+                   help="a .jsonl/.json/.parquet file, or a Hub dataset id (owner/name)")
     p.add_argument("--format", required=True, choices=list(FORMATS))
     p.add_argument("--split", default="train", help="Hub dataset split (default train)")
     p.add_argument("--config", default=None, help="Hub dataset config (subset) name")
@@ -71,8 +72,10 @@ def parse_args(argv):
                    help="map a speaker name to system/user/assistant (repeatable; human=user, gpt=assistant "
                         "are built in)")
     p.add_argument("--max-rows", type=int, default=None, help="read only the first N rows")
-    p.add_argument("--strict", action="store_true", help="a malformed row is an error (default: skipped, counted)")
-    p.add_argument("--target", required=True, help="target folder or Hub id (its tokenizer and chat template)")
+    p.add_argument("--strict", action="store_true",
+                   help="a malformed row is an error (default: skipped, counted)")
+    p.add_argument("--target", required=True,
+                   help="target folder or Hub id (its tokenizer and chat template)")
     p.add_argument("--target-revision", default=None)
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--enable-thinking", action=argparse.BooleanOptionalAction, default=False,
@@ -82,8 +85,8 @@ def parse_args(argv):
                    help=f"tokens per conversation; longer ones are cut (default {MAX_LENGTH}, DFlash's, or "
                         "the target's max_position_embeddings when fewer)")
     p.add_argument("--min-supervised-tokens", type=int, default=32,
-                   help="drop conversations with fewer assistant tokens after cutting (default 32 = 2 x DFlash's "
-                        "block size 16, as DFlash drops them)")
+                   help="drop conversations with fewer assistant tokens after cutting (default 32 = 2 x "
+                        "DFlash's block size 16, as DFlash drops them)")
     p.add_argument("--shuffle", action="store_true", help="shuffle rows (seeded); default: input order")
     p.add_argument("--seed", type=int, default=0, help="for shuffling, the val sample and sampling")
     val = p.add_mutually_exclusive_group()
@@ -102,21 +105,23 @@ def parse_args(argv):
 
 
 def add_regeneration_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("regeneration (the target writes the assistant turns; see dflash_train/data/regenerate.py)")
-    g.add_argument("--regenerate", action="store_true", help="replace every assistant turn by the target's answer")
+    g = p.add_argument_group("regeneration (the target writes the assistant turns; see "
+                             "dflash_train/data/regenerate.py)")
+    g.add_argument("--regenerate", action="store_true",
+                   help="replace every assistant turn by the target's answer")
     g.add_argument("--backend", choices=["transformers", "static", "vllm"], default="transformers",
-                   help="static: continuous batching over a static KV cache on the CPU, --batch-size answers at "
-                        "a time (Llama/Qwen3 targets; data/engine.py)")
+                   help="static: continuous batching over a static KV cache on the CPU, --batch-size answers "
+                        "at a time (Llama/Qwen3 targets; data/engine.py)")
     g.add_argument("--temperature", type=float, default=0.0,
-                   help=f"0 = greedy (default); at most {MAX_TEMPERATURE:g} (hotter samples are noise, not the "
-                        "target's text)")
+                   help=f"0 = greedy (default); at most {MAX_TEMPERATURE:g} (hotter samples are noise, not "
+                        "the target's text)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"per assistant turn (default {MAX_NEW_TOKENS}, or the target's positions when "
                         "fewer)")
     g.add_argument("--keep-truncated", action="store_true",
-                   help="keep answers cut by --max-new-tokens, supervised up to the cut with no end-of-turn token; "
-                        "a cut answer ends its conversation (default: drop the conversation)")
+                   help="keep answers cut by --max-new-tokens, supervised up to the cut with no end-of-turn "
+                        "token; a cut answer ends its conversation (default: drop the conversation)")
     g.add_argument("--batch-size", type=int, default=16,
                    help=f"conversations per generate call (at most {MAX_BATCH_SIZE})")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (transformers backend)")
@@ -138,11 +143,13 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if args.min_supervised_tokens < 0 or not 0 < args.top_p <= 1:
         p.error("--min-supervised-tokens must be >= 0, --top-p in (0, 1]")
     if not 0 <= args.temperature <= MAX_TEMPERATURE:  # refuses nan and inf too
-        p.error(f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got {args.temperature}")
+        p.error(f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got "
+                f"{args.temperature}")
     if not 0 <= args.seed < 2**32:
         p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
     if args.append_to and (args.val_size or args.val_fraction or args.shuffle):
-        p.error("--append-to keeps the earlier output's split: --val-size, --val-fraction and --shuffle do not apply")
+        p.error("--append-to keeps the earlier output's split: --val-size, --val-fraction and --shuffle do "
+                "not apply")
     if args.append_to and Path(args.append_to).resolve() == Path(args.output).resolve():
         p.error("--append-to and --output are the same folder: write the grown data to a new --output")
     if args.backend == "vllm" and args.target_dtype != "auto":
@@ -170,7 +177,8 @@ def fields_from(args) -> Fields:
         if role_to not in ("system", "user", "assistant"):
             raise UserError(f"--role-map '{item}' must be NAME=system, NAME=user or NAME=assistant")
         roles[name] = role_to
-    return Fields(args.messages_field or messages, args.role_field or role, args.content_field or content, roles)
+    return Fields(args.messages_field or messages, args.role_field or role, args.content_field or content,
+                  roles)
 
 
 def load_tokenizer(args):
@@ -184,8 +192,8 @@ def load_tokenizer(args):
 def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
     """The target answers every turn (regenerate.py), resuming from the work folder `work`. Returns
     per conversation the new messages or a drop reason, and the settings and counts for prepare_info.json."""
-    s = regen.Sampling(args.backend, args.temperature, args.top_p, args.max_new_tokens, args.seed, args.batch_size,
-                       args.enable_thinking, args.keep_truncated)
+    s = regen.Sampling(args.backend, args.temperature, args.top_p, args.max_new_tokens, args.seed,
+                       args.batch_size, args.enable_thinking, args.keep_truncated)
     if args.backend == "vllm":
         stops = regen.stop_token_ids(tokenizer, eot)
         generate = regen.vllm_generate(args.target, args.target_revision, args.trust_remote_code, stops, s)
@@ -200,15 +208,16 @@ def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
         generate = (static_generate(target, stops, s, slots=args.batch_size) if args.backend == "static" else
                     regen.transformers_generate(target, stops, s))
     # The dtype the target computed in is part of the resume key: bf16 and fp32 answers are not mixed.
-    record = asdict(s) | {"target": args.target, "target_revision": args.target_revision, "target_dtype": dtype,
+    record = asdict(s) | {"target": args.target, "target_revision": args.target_revision,
+                          "target_dtype": dtype,
                           "template_sha256": template_sha256(tokenizer), "stop_token_ids": stops}
     try:
         results, stats = regen.regenerate(conversations, tokenizer, generate, s, work, record)
     except KeyboardInterrupt:
         results = None
     if results is None:  # outside the except block, so the progress bar has closed before our line
-        raise Interrupted(f"interrupted with {regen.conversations_done(work)} of {len(conversations)} conversations "
-                          f"regenerated (kept in '{work}'); rerun the same command to resume")
+        raise Interrupted(f"interrupted with {regen.conversations_done(work)} of {len(conversations)} "
+                          f"conversations regenerated (kept in '{work}'); rerun the same command to resume")
     return results, record | {"stats": stats}
 
 
@@ -241,31 +250,34 @@ def run(args) -> None:
         old_info, old = read_prepared(Path(args.append_to))
         check_appendable(old_info, info, Path(args.append_to))
 
-    conversations, counts, dropped, info["regeneration"] = read_and_regenerate(args, fields, tokenizer, eot, work)
+    conversations, counts, dropped, info["regeneration"] = read_and_regenerate(args, fields, tokenizer, eot,
+                                                                               work)
     kept, truncated = encode_and_filter(args, tokenizer, conversations, eot, dropped)
-    summary = (f"{counts.read} rows read from {args.input}, {counts.malformed} malformed; kept {len(kept)}, dropped "
-               f"{sum(dropped.values())}" + "".join(f", {k} {v}" for k, v in dropped.items() if v))
+    summary = (f"{counts.read} rows read from {args.input}, {counts.malformed} malformed; kept {len(kept)}, "
+               f"dropped {sum(dropped.values())}" + "".join(f", {k} {v}" for k, v in dropped.items() if v))
     if not kept:
         raise UserError(f"no usable conversation: {summary}"
                         + (f" (first malformed: {counts.examples[0]})" if counts.examples else ""))
     splits, already = split_rows(args, kept, old)
     rows = [r for part in splits.values() for r in part]
-    info |= {"counts": {"read": counts.read, "malformed": counts.malformed, "kept": len(kept), "dropped": dict(dropped),
-                        "truncated_to_max_length": truncated},
+    info |= {"counts": {"read": counts.read, "malformed": counts.malformed, "kept": len(kept),
+                        "dropped": dict(dropped), "truncated_to_max_length": truncated},
              "malformed_examples": counts.examples,
              "splits": {name: len(part) for name, part in splits.items()},
              "tokens": {"total": sum(len(r[0]) for r in rows), "supervised": sum(sum(r[1]) for r in rows)}}
     if old is not None:
         summary += f"; {already} already in --append-to, {len(kept) - already} appended"
         info["appended_to"] = {"path": str(Path(args.append_to).resolve()),
-                               "splits": {name: len(part) for name, part in old.items()}, "already_there": already}
-    write_atomically(out, lambda tmp: write_prepared(tmp, splits, info, conversations if args.regenerate else None),
+                               "splits": {name: len(part) for name, part in old.items()},
+                               "already_there": already}
+    write_atomically(out, lambda tmp: write_prepared(tmp, splits, info,
+                                                     conversations if args.regenerate else None),
                      "prepare")
     if work is not None and marker_kind(work) == "regenerate":
         shutil.rmtree(work, ignore_errors=True)  # ours, finished: nothing left to resume
     print(summary)
-    print(f"wrote {' / '.join(f'{k} {v}' for k, v in info['splits'].items())}, {info['tokens']['total']:,} tokens "
-          f"({info['tokens']['supervised']:,} supervised) to {out}")
+    print(f"wrote {' / '.join(f'{k} {v}' for k, v in info['splits'].items())}, {info['tokens']['total']:,} "
+          f"tokens ({info['tokens']['supervised']:,} supervised) to {out}")
 
 
 def prepare_info(args, fields: Fields, tokenizer, eot: str) -> dict:

@@ -219,9 +219,11 @@ def require_free_output(out: Path, overwrite: bool, kind: str, inputs: Inputs,
         raise UserError(f"{flag} '{out}' is not empty and was not written by dflash-train (no {MARKER}): "
                         "choose another folder, or empty it yourself")
     if found != kind:
-        raise UserError(f"{flag} '{out}' holds {KINDS.get(found, found)}, not {KINDS[kind]}: choose another folder")
+        raise UserError(f"{flag} '{out}' holds {KINDS.get(found, found)}, not {KINDS[kind]}: choose another "
+                        "folder")
     if not overwrite and not resumable:
-        raise UserError(f"{flag} '{out}' is not empty: it holds {KINDS[kind]} (pass --overwrite to replace it)")
+        raise UserError(f"{flag} '{out}' is not empty: it holds {KINDS[kind]} (pass --overwrite to replace "
+                        "it)")
     if overwrite:
         check_cwd_outside(out, flag)
 

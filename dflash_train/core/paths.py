@@ -12,7 +12,8 @@ from huggingface_hub.utils import validate_repo_id
 
 from dflash_train.core.errors import UserError
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: recipes/, data/, eval/ (dflash_train/core/paths.py)
+# the checkout: recipes/, data/, eval/ (dflash_train/core/paths.py)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # --- inputs ----------------------------------------------------------------------------------------
@@ -49,7 +50,8 @@ def _refuse_non_target(folder: Path, value: str, what: str) -> None:
     kind = marker_kind(folder)
     if kind in KINDS:  # our outputs; a model make real-target converted (kind "real-target") is a target
         raise UserError(f"{what} '{value}' holds {KINDS[kind]} written by dflash-train, not a target model")
-    if not any((folder / name).is_file() for name in ("config.json", "tokenizer_config.json", "tokenizer.json")):
+    if not any((folder / name).is_file()
+               for name in ("config.json", "tokenizer_config.json", "tokenizer.json")):
         raise UserError(f"{what} '{value}' is not a model folder: it has no config.json and no tokenizer")
 
 

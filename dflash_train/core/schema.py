@@ -53,5 +53,6 @@ def read_json(path: Path, model: type[BaseModel]):
     except OSError as e:
         raise UserError(f"cannot read '{path}' ({e.strerror or type(e).__name__})") from None
     except ValueError as e:  # truncated or not JSON
-        raise UserError(f"'{path}' is not valid JSON ({e}): it is damaged or was not written by dflash-train") from None
+        raise UserError(f"'{path}' is not valid JSON ({e}): it is damaged or was not written by "
+                        "dflash-train") from None
     return validated(model, obj, f"'{path}'")

@@ -43,7 +43,8 @@ FORMATS = {  # format -> (messages field, role field, content field)
     "ultrachat": ("messages", "role", "content"),
     "nemotron": ("messages", "role", "content"),
 }
-ROLE_NAMES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user", "gpt": "assistant"}
+ROLE_NAMES = {"system": "system", "user": "user", "assistant": "assistant", "human": "user",
+              "gpt": "assistant"}
 # Why a conversation is dropped, in pipeline order (all appear in prepare_info.json, zeros too).
 DROP_REASONS = ("no_user_turn", "empty_generation", "hit_max_new_tokens",  # regeneration only
                 "no_assistant_turn", "template_error", "turn_not_located", "token_crosses_turn_edge",
@@ -80,8 +81,10 @@ def _message(turn, fields: Fields, n: int) -> dict:
         raise Malformed(f"turn {n} is {type(turn).__name__}, not an object")
     name = turn.get(fields.role)
     if not isinstance(name, str) or name not in fields.roles:
-        raise Malformed(f"turn {n} has role {name!r} (known: {', '.join(sorted(fields.roles))}; see --role-map)")
-    message = {"role": fields.roles[name], "content": _text(turn.get(fields.content), f"turn {n} '{fields.content}'")}
+        raise Malformed(f"turn {n} has role {name!r} (known: {', '.join(sorted(fields.roles))}; see "
+                        "--role-map)")
+    message = {"role": fields.roles[name],
+               "content": _text(turn.get(fields.content), f"turn {n} '{fields.content}'")}
     if message["role"] == "assistant" and turn.get("truncated") is True:
         message["truncated"] = True  # cut by --max-new-tokens (regenerated.jsonl): see encode_conversations
     return message
@@ -97,7 +100,8 @@ def normalize(row: dict, fmt: str, fields: Fields) -> list[dict]:
     if fmt == "nemotron" and turns is None and "input" in row:
         prompt = row["input"]
         messages = ([{"role": "user", "content": prompt}] if isinstance(prompt, str) else
-                    [_message(t, fields, i) for i, t in enumerate(prompt)] if isinstance(prompt, list) else None)
+                    [_message(t, fields, i) for i, t in enumerate(prompt)] if isinstance(prompt, list)
+                    else None)
         if messages is None:
             raise Malformed(f"'input' is {type(prompt).__name__}, not a list of turns or a string")
         system = row.get("system_prompt")
@@ -117,12 +121,14 @@ def input_kind(source: str) -> str:
     """'json', 'parquet' or 'hub'; raises for a missing or empty local file."""
     path = Path(source)
     if path.is_dir():
-        raise UserError(f"input '{source}' is a folder: give a .jsonl, .json or .parquet file or a Hub dataset id")
+        raise UserError(f"input '{source}' is a folder: give a .jsonl, .json or .parquet file or a Hub "
+                        "dataset id")
     if path.is_file():
         if path.stat().st_size == 0:
             raise UserError(f"input file '{source}' is empty")
         return "parquet" if path.suffix == ".parquet" else "json"
-    if path.suffix in (".jsonl", ".json", ".parquet") or source.startswith((".", "/", "~")) or source.count("/") != 1:
+    if path.suffix in (".jsonl", ".json",
+                       ".parquet") or source.startswith((".", "/", "~")) or source.count("/") != 1:
         raise UserError(f"input file '{source}' not found")
     return "hub"
 
@@ -232,7 +238,8 @@ def end_of_turn(tokenizer) -> str:
     if tokenizer.chat_template is None:
         raise UserError(f"the target's tokenizer ('{tokenizer.name_or_path}') has no chat template")
     try:
-        text = chat_text(tokenizer, [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": PROBE}],
+        text = chat_text(tokenizer,
+                         [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": PROBE}],
                          enable_thinking=False)
     except Exception as e:  # a template may raise anything (jinja errors, raise_exception)
         raise UserError(f"the target's chat template fails on a user/assistant exchange: "
@@ -298,7 +305,8 @@ def mask_from_offsets(offsets: list[tuple[int, int]], spans: list[tuple[int, int
 
 
 def encode_conversations(tokenizer, conversations: list[list[dict]], eot: str, max_length: int,
-                         enable_thinking: bool, batch: int = 256) -> Iterator[tuple[list[int], list[int]] | str]:
+                         enable_thinking: bool,
+                         batch: int = 256) -> Iterator[tuple[list[int], list[int]] | str]:
     """Per conversation, in order: (input_ids, loss_mask) truncated to max_length, or a drop reason.
     A reply marked "truncated" (cut by --max-new-tokens) ends the conversation where the target
     stopped: the text is cut right after it, so its end-of-turn token is neither labelled nor
@@ -365,7 +373,8 @@ def read_prepared(folder: Path) -> tuple[dict, dict[str, list[tuple[list[int], l
         try:
             ds = Dataset.load_from_disk(str(path))
         except Exception as e:  # datasets raises many types for damaged folders
-            raise UserError(f"--append-to '{folder}': split {name} cannot be read ({type(e).__name__})") from None
+            raise UserError(f"--append-to '{folder}': split {name} cannot be read "
+                            f"({type(e).__name__})") from None
         splits[name] = list(zip(ds["input_ids"], ds["loss_mask"]))
     if not splits:
         raise UserError(f"--append-to '{folder}': its {INFO_FILE} names no splits")

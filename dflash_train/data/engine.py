@@ -29,12 +29,13 @@ class LlamaWeights:
         cfg = model.config
         if cfg.model_type not in ("llama", "qwen3") or getattr(cfg, "attention_bias", False) \
                 or getattr(cfg, "mlp_bias", False):
-            raise ValueError(f"the static engine runs Llama and Qwen3 targets without biases, not {cfg.model_type!r}")
+            raise ValueError("the static engine runs Llama and Qwen3 targets without biases, not "
+                             f"{cfg.model_type!r}")
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.eps = cfg.rms_norm_eps
-        rope = cfg.rope_parameters if getattr(cfg, "rope_parameters", None) else {"rope_type": "default",
-                                                                                  "rope_theta": cfg.rope_theta}
+        rope = (cfg.rope_parameters if getattr(cfg, "rope_parameters", None)
+                else {"rope_type": "default", "rope_theta": cfg.rope_theta})
         if rope.get("rope_type", "default") != "default":
             raise ValueError(f"the static engine supports default RoPE only, not {rope['rope_type']!r}")
         self.theta = rope["rope_theta"]
@@ -46,8 +47,9 @@ class LlamaWeights:
         self.qk_norms = [(l.self_attn.q_norm.weight, l.self_attn.k_norm.weight) if cfg.model_type == "qwen3"
                          else (None, None) for l in m.layers]
         self.layers = [(l.input_layernorm.weight, l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
-                        l.self_attn.v_proj.weight, l.self_attn.o_proj.weight, l.post_attention_layernorm.weight,
-                        l.mlp.gate_proj.weight, l.mlp.up_proj.weight, l.mlp.down_proj.weight) for l in m.layers]
+                        l.self_attn.v_proj.weight, l.self_attn.o_proj.weight,
+                        l.post_attention_layernorm.weight, l.mlp.gate_proj.weight, l.mlp.up_proj.weight,
+                        l.mlp.down_proj.weight) for l in m.layers]
         self.dtype = self.embed.dtype
 
 
@@ -118,8 +120,9 @@ class StaticEngine:
         for li, layer in enumerate(w.layers):
             h = rms_norm(x, layer[0], w.eps)
             qn, kn = w.qk_norms[li]
-            q = rope(head_norm(F.linear(h, layer[1]).view(S, w.n_heads, w.head_dim), qn, w.eps), cos, sin)  # [S, nh, D]
-            k = rope(head_norm(F.linear(h, layer[2]).view(S, w.n_kv, w.head_dim), kn, w.eps), cos, sin)  # [S, nkv, D]
+            # q [S, nh, D], k [S, nkv, D]
+            q = rope(head_norm(F.linear(h, layer[1]).view(S, w.n_heads, w.head_dim), qn, w.eps), cos, sin)
+            k = rope(head_norm(F.linear(h, layer[2]).view(S, w.n_kv, w.head_dim), kn, w.eps), cos, sin)
             v = F.linear(h, layer[3]).view(S, w.n_kv, w.head_dim)
             self.k[li, rows, :, pos] = k
             self.v[li, rows, :, pos] = v
@@ -175,8 +178,8 @@ def generate_all(engine: StaticEngine, prompts: list[list[int]], stop_ids: list[
                 break
             slot = free.pop()
             if len(prompts[i]) + 1 > engine.max_len:
-                raise UserError(f"a prompt has {len(prompts[i])} tokens; the static engine holds {engine.max_len} "
-                                "positions (prompt + answer): raise its max_len")
+                raise UserError(f"a prompt has {len(prompts[i])} tokens; the static engine holds "
+                                f"{engine.max_len} positions (prompt + answer): raise its max_len")
             take(i, engine.prefill(slot, prompts[i]), slot, len(prompts[i]))
         if not busy:
             break
@@ -194,12 +197,14 @@ def generate_all(engine: StaticEngine, prompts: list[list[int]], stop_ids: list[
     return out
 
 
-def static_generate(target: Target, stop_ids: list[int], s: Sampling, slots: int, max_len: int = 0) -> GenerateFn:
+def static_generate(target: Target, stop_ids: list[int], s: Sampling, slots: int,
+                    max_len: int = 0) -> GenerateFn:
     """regenerate.GenerateFn on the static engine (`--backend static`, CPU): the same answers as
     `transformers` at temperature 0 up to float ties (tests/data/test_engine.py compares them token for
     token). The cache holds max_len positions, grown for a call whose longest prompt + answer needs more."""
     if next(target.model.parameters()).device.type != "cpu":
-        raise UserError("--backend static runs on the CPU: use --device cpu, or --backend transformers / vllm")
+        raise UserError("--backend static runs on the CPU: use --device cpu, or --backend transformers / "
+                        "vllm")
     try:
         LlamaWeights(target.model)
     except ValueError as e:

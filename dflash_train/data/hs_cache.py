@@ -60,7 +60,8 @@ class CacheManifest(BaseModel):
     target_layer_ids: list[int]
     hidden_size: int = Field(ge=1)
     dtype: Literal["bfloat16", "float32", "fp8"]
-    target_dtype: str | None = None  # what the target computed in (bf16, fp32); None: not recorded (older caches)
+    # what the target computed in (bf16, fp32); None: not recorded (older caches)
+    target_dtype: str | None = None
     rows: int = Field(ge=0)
     tokens: int = Field(ge=0)
     bytes_per_token: int = Field(ge=1)
@@ -140,7 +141,8 @@ def _prefix_of(found: dict, head: dict, ds) -> bool:
             and dataset_hash(ds.select(range(found["rows"]))) == found["dataset_sha256"])
 
 
-def _reuse_or_replace(out: Path, head: dict, ds, overwrite: bool, append: bool) -> tuple[dict | None, Path | None]:
+def _reuse_or_replace(out: Path, head: dict, ds, overwrite: bool,
+                      append: bool) -> tuple[dict | None, Path | None]:
     """What `out` holds decides the build: -> (the manifest whose shards may be reused, or None; a folder
     moved aside to delete once the new build has started, or None). Returns the complete manifest itself,
     with no folder, when `out` is already a complete cache of these settings (nothing to do)."""
@@ -168,8 +170,9 @@ def _reuse_or_replace(out: Path, head: dict, ds, overwrite: bool, append: bool) 
         return None, move_aside(out)  # `--output .`: the current folder stays, emptied
     if differ and complete and _prefix_of(found, head, ds):
         if not append:
-            raise UserError(f"'{out}' holds a cache of the first {found['rows']} of these {len(ds)} rows: pass "
-                            "--append to extend it (its full shards are kept), or --overwrite to replace it")
+            raise UserError(f"'{out}' holds a cache of the first {found['rows']} of these {len(ds)} rows: "
+                            "pass --append to extend it (its full shards are kept), or --overwrite to "
+                            "replace it")
         # Full shards of the prefix are the same rows of this data; the prefix's last, short shard is rebuilt.
         kept = [s for s in found["shards"] if s["rows"][1] - s["rows"][0] == head["shard_rows"]]
         print(f"extending '{out}' from {found['rows']} to {len(ds)} rows ({len(kept)} full shard(s) kept)",
@@ -218,7 +221,8 @@ def _write_shard(out: Path, name: str, tensors: dict, rows: tuple[int, int], tok
 
 @torch.no_grad()
 def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str = "bfloat16",
-                shard_rows: int = 256, batch_size: int = 8, overwrite: bool = False, append: bool = False) -> dict:
+                shard_rows: int = 256, batch_size: int = 8, overwrite: bool = False,
+                append: bool = False) -> dict:
     """Compute and store the states of every row of `ds`; resumes from complete shards in `out`.
     A complete cache for the same settings is left as it is. `overwrite` replaces a cache made
     with other settings (moved aside, deleted once the new one is started); `append` extends a
@@ -238,8 +242,8 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
         stale.unlink()
     done = {s["file"]: s for s in (found or {}).get("shards", [])
             if (out / s["file"]).is_file() and file_sha256(out / s["file"]) == s["sha256"]}
-    print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} bytes/token "
-          f"({dtype}), {head['tokens'] * head['bytes_per_token'] / 2**20:,.1f} MiB in all; "
+    print(f"hidden-state cache: {len(ds)} rows, {head['tokens']:,} tokens, {head['bytes_per_token']:,} "
+          f"bytes/token ({dtype}), {head['tokens'] * head['bytes_per_token'] / 2**20:,.1f} MiB in all; "
           f"{len(done)} shard(s) already done", file=sys.stderr)
     lengths = [len(ids) for ids in ds["input_ids"]]
     shards = []
@@ -252,7 +256,8 @@ def build_cache(target: Target, ds, layer_ids: list[int], out: Path, dtype: str 
         tensors = _shard_tensors(target, ds, lo, hi, layer_ids, dtype, batch_size)
         shards.append(_write_shard(out, name, tensors, (lo, hi), sum(lengths[lo:hi])))
         _write_json(out / PARTIAL, {**head, "shards": shards})
-    manifest = {**head, "shards": shards, "bytes_on_disk": sum((out / s["file"]).stat().st_size for s in shards)}
+    manifest = {**head, "shards": shards,
+                "bytes_on_disk": sum((out / s["file"]).stat().st_size for s in shards)}
     _write_json(out / MANIFEST, manifest)
     (out / PARTIAL).unlink(missing_ok=True)
     return manifest
@@ -291,7 +296,8 @@ class HiddenStateCache:
         """-> taps [b, T, n*H], last [b, T, H] (zeros past each row's end, like right padding)."""
         taps = [_decode(self._shard(r), f"taps.{r}", self.dtype) for r in rows]
         last = [_decode(self._shard(r), f"last.{r}", self.dtype) for r in rows]
-        pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[0])) for x in xs])  # noqa: E731
+        pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, 0, 0, T - x.shape[0]))  # noqa: E731
+                                      for x in xs])
         return pad(taps).to(device, dtype), pad(last).to(device, dtype)
 
     def labels(self, rows: list[int], T: int, device) -> torch.Tensor | None:
@@ -311,25 +317,27 @@ def check_complete(path: Path) -> dict:
     safetensors header holding its rows (and, up to HASH_LIMIT bytes in all, its recorded SHA-256).
     Runs before a training run touches its output_dir. -> the manifest."""
     if not (path / MANIFEST).is_file():
-        hint = " (its build did not finish: rerun dflash-cache to resume)" if (path / PARTIAL).is_file() else ""
+        hint = (" (its build did not finish: rerun dflash-cache to resume)" if (path / PARTIAL).is_file()
+                else "")
         raise UserError(f"'{path}' is not a complete hidden-state cache{hint}")
     m = read_json(path / MANIFEST, CacheManifest)
     if len(m.shards) != -(-m.rows // m.shard_rows):
-        raise UserError(f"'{path / MANIFEST}': field 'shards': lists {len(m.shards)} shards for {m.rows} rows of "
-                        f"{m.shard_rows}")
+        raise UserError(f"'{path / MANIFEST}': field 'shards': lists {len(m.shards)} shards for {m.rows} "
+                        f"rows of {m.shard_rows}")
     rebuild = "rerun the dflash-cache command that made it to rebuild the shard"
     sizes = []
     for shard in m.shards:
         f = path / shard.file
         if not f.is_file():
-            raise UserError(f"hidden-state cache '{path}' is missing {shard.file} (listed in its manifest): {rebuild}")
+            raise UserError(f"hidden-state cache '{path}' is missing {shard.file} (listed in its manifest): "
+                            f"{rebuild}")
         sizes.append(f.stat().st_size)
         if shard.bytes is not None and sizes[-1] != shard.bytes:
-            raise UserError(f"hidden-state cache '{path}': {shard.file} is {sizes[-1]:,} bytes, its manifest says "
-                            f"{shard.bytes:,} (truncated or replaced): {rebuild}")
+            raise UserError(f"hidden-state cache '{path}': {shard.file} is {sizes[-1]:,} bytes, its manifest "
+                            f"says {shard.bytes:,} (truncated or replaced): {rebuild}")
     if m.bytes_on_disk is not None and sum(sizes) != m.bytes_on_disk:
-        raise UserError(f"hidden-state cache '{path}': its shards hold {sum(sizes):,} bytes, its manifest says "
-                        f"{m.bytes_on_disk:,} (a shard was truncated or replaced): {rebuild}")
+        raise UserError(f"hidden-state cache '{path}': its shards hold {sum(sizes):,} bytes, its manifest "
+                        f"says {m.bytes_on_disk:,} (a shard was truncated or replaced): {rebuild}")
     for shard in m.shards:
         lo, hi = shard.rows
         try:
@@ -337,15 +345,17 @@ def check_complete(path: Path) -> dict:
                 keys = set(f.keys())
         except (SafetensorError, OSError) as e:
             raise UserError(f"hidden-state cache '{path}': {shard.file} is not a readable safetensors file "
-                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): {rebuild}") from None
+                            f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                            f"{rebuild}") from None
         names = ("taps", "last", "labels") if m.labels else ("taps", "last")
         if not all(f"{name}.{r}" in keys for r in range(lo, hi) for name in names):
-            raise UserError(f"hidden-state cache '{path}': {shard.file} does not hold rows {lo}..{hi - 1}: {rebuild}")
+            raise UserError(f"hidden-state cache '{path}': {shard.file} does not hold rows {lo}..{hi - 1}: "
+                            f"{rebuild}")
     if sum(sizes) <= HASH_LIMIT:
         for shard in m.shards:
             if file_sha256(path / shard.file) != shard.sha256:
-                raise UserError(f"hidden-state cache '{path}': {shard.file} does not match the SHA-256 in its "
-                                f"manifest (damaged or replaced): {rebuild}")
+                raise UserError(f"hidden-state cache '{path}': {shard.file} does not match the SHA-256 in "
+                                f"its manifest (damaged or replaced): {rebuild}")
     return m.model_dump(exclude_none=True)
 
 
@@ -361,7 +371,8 @@ def open_cache(path: str | Path, target: Target, layer_ids: list[int], ds) -> Hi
         raise UserError(f"hidden-state cache '{path}' was made for another target ({m['target']}, "
                         f"{m['target_pin'].get('revision') or m['target_pin'].get('sha256', '')[:12]})")
     if m["target_layer_ids"] != list(layer_ids):
-        raise UserError(f"hidden-state cache '{path}' has taps {m['target_layer_ids']}, the drafter needs {layer_ids}")
+        raise UserError(f"hidden-state cache '{path}' has taps {m['target_layer_ids']}, the drafter needs "
+                        f"{layer_ids}")
     if m["rows"] != len(ds) or m["dataset_sha256"] != dataset_hash(ds):
         raise UserError(f"hidden-state cache '{path}' was made for other data than data.train")
     return HiddenStateCache(path, m)

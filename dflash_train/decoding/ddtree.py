@@ -39,8 +39,10 @@ class DraftTree:
     visibility: torch.Tensor  # [n+1, n+1] bool, visibility[i, j]: j is i or an ancestor of i
     log_probs: torch.Tensor   # [n] float32, path log-prob: sum of per-depth log-probs along the path
     children: list[dict[int, int]]  # [n+1] per index: token -> child index (for the accept walk)
-    ranks: list[int]          # [n] rank of each node among its parent's children (0: the drafter's argmax there)
-    best_child: list[int]     # [n+1] per index: the drafter's argmax child token, in the tree or not (-1: none known)
+    ranks: list[int]          # [n] rank of each node among its parent's children
+                              # (0: the drafter's argmax there)
+    best_child: list[int]     # [n+1] per index: the drafter's argmax child token, in the tree or not
+                              # (-1: none known)
 
     @property
     def size(self) -> int:
@@ -158,10 +160,11 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None) -> DraftTre
         root_token, root_carry = -1, None
     else:
         expand, root_token, root_carry = scorer.expander(draft_logits, K)
-    tokens, depths, parents, log_probs, children, ranks, best_child = best_first(expand, root_token, root_carry, L,
-                                                                                  budget)
+    tokens, depths, parents, log_probs, children, ranks, best_child = best_first(expand, root_token,
+                                                                                 root_carry, L, budget)
     parents_t = torch.tensor(parents, dtype=torch.long)  # [n+1]
-    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long), depths=torch.tensor(depths, dtype=torch.long),
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.long),
+                     depths=torch.tensor(depths, dtype=torch.long),
                      parents=parents_t, visibility=visibility_mask(parents_t, max(depths)),
                      log_probs=torch.tensor(log_probs, dtype=torch.float32), children=children, ranks=ranks,
                      best_child=best_child)
@@ -193,7 +196,8 @@ def calibration_counts(tree: DraftTree, accepted: list[int], posterior: list[int
     cells = {}
     for parent in accepted:
         for tok, child in tree.children[parent].items():
-            cell = cells.setdefault((int(tree.depths[child - 1]), min(tree.ranks[child - 1], RANK_CAP)), [0.0, 0, 0])
+            cell = cells.setdefault((int(tree.depths[child - 1]), min(tree.ranks[child - 1], RANK_CAP)),
+                                    [0.0, 0, 0])
             cell[0] += math.exp(lp[child] - lp[parent])
             cell[1] += int(tok == posterior[parent])
             cell[2] += 1

@@ -29,7 +29,8 @@ from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.target import Target
 
 METHODS = tuple(PROPOSERS)  # ar, dflash, ddtree
-TREE_SCORES = ("conditional", "marginal")  # DSpark's / DFlash2's DDTree: path-conditioned, or from the marginals
+# DSpark's / DFlash2's DDTree: path-conditioned, or from the marginals
+TREE_SCORES = ("conditional", "marginal")
 STAGES = ("draft", "tree", "verify", "commit")
 
 

@@ -38,7 +38,8 @@ from dflash_train.model.drafter import ContextCache, DFlashDrafter
 from dflash_train.model.target import Target, taps_from_hidden_states
 
 VERIFY_WIDTHS = [2**k for k in range(11)]  # 1 .. 1024 tokens per verify forward
-CONTEXT_WIDTHS = [1, 32, 1024]  # widths measured at each longer context (up to the widest: see speed.Curves.extrapolated)
+# widths measured at each longer context (up to the widest: see speed.Curves.extrapolated)
+CONTEXT_WIDTHS = [1, 32, 1024]
 ROUNDS = 10  # timed rounds (each times every width and batch once)
 WARMUP = 2   # untimed rounds first (allocator, kernel selection)
 

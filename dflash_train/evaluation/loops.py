@@ -48,7 +48,8 @@ def find_loop(tokens) -> Loop | None:
         if not len(starts):
             continue
         k = int(np.argmax(ends - starts))
-        length = int(ends[k] - starts[k]) + p  # a run of r repeats from i: tokens i .. i + p + r - 1 have period p
+        # a run of r repeats from i: tokens i .. i + p + r - 1 have period p
+        length = int(ends[k] - starts[k]) + p
         if length >= max(MIN_REPEATS * p, MIN_LOOP_TOKENS) and (best is None or length > best.length):
             best = Loop(int(starts[k]), p, length)
     return best

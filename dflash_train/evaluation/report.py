@@ -57,7 +57,8 @@ class Verdict(Open):  # speed.verdict
     @model_validator(mode="after")
     def _named(self):
         if self.recommended is None and len(self.indistinguishable) < 2:
-            raise ValueError("a verdict without a recommendation lists at least two indistinguishable methods")
+            raise ValueError("a verdict without a recommendation lists at least two indistinguishable "
+                             "methods")
         return self
 
 
@@ -85,7 +86,8 @@ class EvalReport(Open):
     def _same_suites(self):
         measured = {r.suite for r in self.results}
         if measured != set(self.advice):
-            raise ValueError(f"results' suites {sorted(measured)} are not advice's suites {sorted(self.advice)}")
+            raise ValueError(f"results' suites {sorted(measured)} are not advice's suites "
+                             f"{sorted(self.advice)}")
         return self
 
 
@@ -152,9 +154,9 @@ def _header(report: dict) -> list[str]:
     """The report's title, setup and hardware lines (and what the drafter was trained for)."""
     hw = report["hardware"]
     lines = [f"# dflash-eval: {report['drafter']}", "",
-             f"Target `{report['target']}`, block size {report['block_size']}, taps {report['target_layer_ids']}, "
-             f"temperature {report['temperature']}, max {report['max_new_tokens']} new tokens per turn, "
-             f"{report['repeats']} repeat(s) of the sweep.",
+             f"Target `{report['target']}`, block size {report['block_size']}, taps "
+             f"{report['target_layer_ids']}, temperature {report['temperature']}, max "
+             f"{report['max_new_tokens']} new tokens per turn, {report['repeats']} repeat(s) of the sweep.",
              f"Hardware: {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
              + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "")
              + (f"; weights in {hw['dtype']}" if hw.get("dtype") else "") + ".", ""]
@@ -170,14 +172,15 @@ def _suite_section(suite: str, rows: list[dict], adv: dict, levels: list[int]) -
     """One suite's results table, measured verdict and predictions (on this device, and on
     another one's measured costs)."""
     lines = [f"## {suite} ({plural(rows[0]['prompts'], 'prompt')})", "",
-             "| method | budget | tau | speedup vs AR (90% interval) | tokens/s | lossless | draft ms | tree ms "
-             "| verify ms | commit ms | loops | tau without loops |",
+             "| method | budget | tau | speedup vs AR (90% interval) | tokens/s | lossless | draft ms | tree "
+             "ms | verify ms | commit ms | loops | tau without loops |",
              "|---|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         s = r["stage_ms_per_round"]
         lossless = {True: "yes", False: "**NO**", None: "n/a (T>0)"}[r["lossless"]]
         lines.append(f"{_method(r)} {r['tau']:.2f} | {_speedup(r['speedup'], r['speedup_interval'])} | "
-                     f"{r['tokens_per_s']} | {lossless} | " + " | ".join("n/a" if s[k] is None else f"{s[k]:.2f}" for k in s)
+                     f"{r['tokens_per_s']} | {lossless} | "
+                     + " | ".join("n/a" if s[k] is None else f"{s[k]:.2f}" for k in s)
                      + f" | {r['looping_replies']}/{r['replies']} | {_tau(r['tau_without_loops'])} |")
     lines += ["", f"**Measured here, one request at a time:** {verdict_text(adv['measured'])}", "",
               "Predicted speedup over AR when N requests share one verify forward "
@@ -187,7 +190,8 @@ def _suite_section(suite: str, rows: list[dict], adv: dict, levels: list[int]) -
     lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}" for c, v in adv["concurrency"].items()
               if int(c) > 1]
     if "device" in adv:
-        lines += ["", f"Predicted on {adv['device']['name']} (from its measured costs, `--verify-times`):", ""]
+        lines += ["", f"Predicted on {adv['device']['name']} (from its measured costs, `--verify-times`):",
+                  ""]
         lines += _prediction_table(rows, "predicted_on_device", levels)
         lines.append("")
         lines += [f"- {c} request{'s' * (int(c) > 1)}: {verdict_text(v)}"
@@ -198,18 +202,21 @@ def _suite_section(suite: str, rows: list[dict], adv: dict, levels: list[int]) -
 
 def _method_notes(costs: dict) -> list[str]:
     """How speedup, tau, loops and stage times are measured, and the cost curve behind the predictions."""
-    return ["Speedup = median over prompts and repeats of AR's decode time per token / the method's on the same "
-            "prompt; the methods run back to back per prompt, in an order rotated from prompt to prompt, so a "
-            "change in machine load lands on all of them. Interval: 90% bootstrap over prompts and repeats. "
-            "tau = tokens per target forward, bonus token included, averaged over prompts. "
-            f"Loops = replies holding a repetition loop (a block of tokens repeated exactly, {MIN_REPEATS}+ times, "
-            f"over {MIN_LOOP_TOKENS}+ tokens: dflash_train/evaluation/loops.py) out of all; tau without loops "
-            "leaves out the prompts with such a reply. "
+    return ["Speedup = median over prompts and repeats of AR's decode time per token / the method's on the "
+            "same prompt; the methods run back to back per prompt, in an order rotated from prompt to "
+            "prompt, so a change in machine load lands on all of them. Interval: 90% bootstrap over prompts "
+            "and repeats. tau = tokens per target forward, bonus token included, averaged over prompts. "
+            f"Loops = replies holding a repetition loop (a block of tokens repeated exactly, {MIN_REPEATS}+ "
+            f"times, over {MIN_LOOP_TOKENS}+ tokens: dflash_train/evaluation/loops.py) out of all; tau "
+            "without loops leaves out the prompts with such a reply. "
             "Stage times are medians per decoding round, prefill excluded.", "",
-            f"Cost curve (median of {costs['rounds']} rounds after a {costs['context']}-token context): verify ms by "
-            "width " + ", ".join(f"{w}: {ms:.2f}" for w, ms in costs["verify_ms_by_width"].items())
-            + "; drafter ms by batch " + ", ".join(f"{c}: {ms:.2f}" for c, ms in costs["draft_ms_by_batch"].items())
-            + ". A round of N requests = drafter pass for N + N x (tree build + commit) + one verify forward.",
+            f"Cost curve (median of {costs['rounds']} rounds after a {costs['context']}-token context): "
+            "verify ms by width " + ", ".join(f"{w}: {ms:.2f}"
+                                              for w, ms in costs["verify_ms_by_width"].items())
+            + "; drafter ms by batch " + ", ".join(f"{c}: {ms:.2f}"
+                                                   for c, ms in costs["draft_ms_by_batch"].items())
+            + ". A round of N requests = drafter pass for N + N x (tree build + commit) + one verify "
+              "forward.",
             ""]
 
 
@@ -221,8 +228,8 @@ def markdown(report: dict) -> str:
         extrapolated |= any(p["extrapolated"] for r in rows for p in r["predicted"].values())
     lines += _method_notes(report["costs"])
     if extrapolated:
-        lines += ["\\* the verify width is beyond the widest measured (1024): extrapolated along the curve's last "
-                  "segment.", ""]
+        lines += ["\\* the verify width is beyond the widest measured (1024): extrapolated along the curve's "
+                  "last segment.", ""]
     return "\n".join(lines)
 
 
@@ -263,14 +270,15 @@ def plot_speedup(report: dict, path: Path) -> None:
                            label=f"predicted, {c} request{'s' * (c > 1)}")
             color = line[0].get_color()
             ivs = [p["interval"] or [p["speedup"]] * 2 for p in ps]
-            ax.fill_between([r["budget"] for r in tree], [i[0] for i in ivs], [i[1] for i in ivs], color=color,
-                            alpha=0.15)
+            ax.fill_between([r["budget"] for r in tree], [i[0] for i in ivs], [i[1] for i in ivs],
+                            color=color, alpha=0.15)
             pc = chain["predicted"][str(c)]
             ax.plot([chain["budget"]], [pc["speedup"]], marker="s", color=color, linestyle="none")
         measured = [r for r in tree + [chain] if r["speedup"] is not None]
         ax.errorbar([r["budget"] for r in measured], [r["speedup"] for r in measured],
                     yerr=[[r["speedup"] - (r["speedup_interval"] or [r["speedup"]] * 2)[0] for r in measured],
-                          [(r["speedup_interval"] or [r["speedup"]] * 2)[1] - r["speedup"] for r in measured]],
+                          [(r["speedup_interval"] or [r["speedup"]] * 2)[1] - r["speedup"]
+                           for r in measured]],
                     fmt="o", color="black", capsize=3, label="measured, 1 request (90% interval)")
         ax.axhline(1.0, color="grey", linewidth=0.8, label="AR")
         ax.set_xscale("log", base=2)
@@ -293,7 +301,8 @@ def plot_verify_cost(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("verify width (tokens in one target forward)")
     ax.set_ylabel("ms per verify forward")
-    ax.set_title(f"{report['hardware']['device']}: verify cost after {costs['context']} context tokens", fontsize=9)
+    ax.set_title(f"{report['hardware']['device']}: verify cost after {costs['context']} context tokens",
+                 fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -307,7 +316,8 @@ def plot_histograms(report: dict, path: Path) -> None:
         rows = [r for r in report["results"] if r["suite"] == suite and r["method"] != "ar"]
         trees = [r for r in rows if r["method"] == "ddtree" and r["speedup"] is not None]
         best = max(trees, key=lambda r: r["speedup"])["budget"] if trees else None
-        shown = [r for r in rows if r["method"] == "dflash" or (r["method"] == "ddtree" and r["budget"] == best)]
+        shown = [r for r in rows if r["method"] == "dflash"
+                 or (r["method"] == "ddtree" and r["budget"] == best)]
         width = 0.8 / max(len(shown), 1)
         for i, r in enumerate(shown):
             ks = [int(k) for k in r["accept_hist"]]

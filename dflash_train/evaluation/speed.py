@@ -23,7 +23,8 @@ QUANTILES = (5.0, 95.0)  # a 90% interval
 
 # --- resampling -----------------------------------------------------------------------------------
 
-def resample(n: int, repeats: int = 1, resamples: int = RESAMPLES, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def resample(n: int, repeats: int = 1, resamples: int = RESAMPLES,
+             seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Two-level draws: prompts [S, n] and, for each drawn prompt, its repeats [S, n, R], with
     S = 1 + resamples; row 0 is the data (0..n-1 and 0..R-1), the others draws with replacement."""
     rng = np.random.default_rng(seed)
@@ -169,7 +170,8 @@ class Curves:
     def _extra_context_ms(self, width: float) -> tuple[list[int], np.ndarray]:
         """Measured extra verify cost of a longer context at `width`: totals [P, *contexts] and
         ms [S, 1 + K] (0 at P), linear in width between and beyond the measured context widths."""
-        base = np.stack([at_width(self.widths, self.verify_ms, w) for w in self.context_widths], axis=-1)  # [S, D]
+        base = np.stack([at_width(self.widths, self.verify_ms, w) for w in self.context_widths],
+                        axis=-1)  # [S, D]
         extra = self.context_ms - base[:, None, :]  # [S, K, D]
         at = at_width(self.context_widths, extra, width)  # [S, K]
         return [self.context, *self.contexts], np.concatenate([np.zeros_like(at[:, :1]), at], axis=1)
@@ -180,10 +182,12 @@ class Curves:
         if not self.contexts or len(set(self.context_widths)) < 2:
             return np.zeros(self.verify_ms.shape[0])
         base = np.stack([at_width(self.widths, self.verify_ms, w) for w in self.context_widths], axis=-1)
-        extra = (self.context_ms - base[:, None, :]) / (np.asarray(self.contexts, float) - self.context)[None, :, None]
+        extra = ((self.context_ms - base[:, None, :])
+                 / (np.asarray(self.contexts, float) - self.context)[None, :, None])
         w = np.broadcast_to(np.asarray(self.context_widths, float), extra.shape[1:]).ravel()  # [K*D]
         y = extra.reshape(extra.shape[0], -1)  # [S, K*D]
-        slope = ((w - w.mean()) * (y - y.mean(axis=1, keepdims=True))).sum(axis=1) / ((w - w.mean()) ** 2).sum()
+        slope = (((w - w.mean()) * (y - y.mean(axis=1, keepdims=True))).sum(axis=1)
+                 / ((w - w.mean()) ** 2).sum())
         return np.maximum(slope, 0.0)
 
     def verify_at(self, requests: int, width: int, context: int | None = None) -> np.ndarray:
@@ -200,9 +204,11 @@ class Curves:
         # Pairs one wide request attends and N requests do not: W (T + W) against N w (P + w), the
         # single request's read off the width curve as its cost is (interpolated, or beyond the
         # widest along the last segment), its longer context linear in W as the extra cost is.
-        pairs_at_P = at_width(self.widths, np.array([[w * (self.context + w) for w in self.widths]], float), W)
+        pairs_at_P = at_width(self.widths, np.array([[w * (self.context + w) for w in self.widths]], float),
+                              W)
         unshared = pairs_at_P[0] + W * (T - self.context) - requests * width * (P + width)
-        return np.maximum(single - self.per_pair_ms() * unshared, at_width(self.widths, self.verify_ms, width))
+        return np.maximum(single - self.per_pair_ms() * unshared,
+                          at_width(self.widths, self.verify_ms, width))
 
     def extrapolated(self, requests: int, width: int, context: int | None = None) -> list[str]:
         """Which axes the prediction for `requests` x `width` reads beyond the measured grid."""

@@ -91,11 +91,13 @@ def prompts_from_rows(rows, spec: dict, where: str) -> list[Prompt]:
         if field not in row:
             raise UserError(f"suite rows have no field '{field}' (fields: {sorted(row)})")
         value = row[field]
-        ok = (isinstance(value, list) and value and all(isinstance(t, str) for t in value)) if spec.get("turns") \
+        ok = (isinstance(value, list) and value
+              and all(isinstance(t, str) for t in value)) if spec.get("turns") \
             else isinstance(value, str)
         if not ok:
             raise UserError(f"{where} row {i + 1}: field '{field}' must be "
-                            f"{'a list of texts (user turns)' if spec.get('turns') else 'text'}, got {value!r:.60}")
+                            f"{'a list of texts (user turns)' if spec.get('turns') else 'text'}, got "
+                            f"{value!r:.60}")
         turns = list(value) if spec.get("turns") else [value]
         if extra and row.get(extra):
             turns[0] = f"{turns[0]}\n\n{row[extra]}"
@@ -144,10 +146,12 @@ def load_suite(spec: str, limit: int | None = None) -> tuple[str, list[Prompt]]:
             rows = _read_local(Path(local))
         else:
             try:
-                rows = load_dataset(definition["dataset"], definition.get("config"), split=definition["split"])
+                rows = load_dataset(definition["dataset"], definition.get("config"),
+                                    split=definition["split"])
             except Exception as e:  # offline, missing, gated: say which suite and why, in one line
                 raise UserError(f"cannot load suite '{name}' ({definition['dataset']}): "
-                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from e
+                                f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}"
+                                ) from e
             rows = rows.shuffle(seed=0)
         prompts = prompts_from_rows(rows, definition, f"suite '{name}' ({local or definition['dataset']})")
     elif Path(spec).suffix in (".jsonl", ".json", ".parquet"):

@@ -36,7 +36,8 @@ def grid(samples: list[Sample], n_prompts: int, repeats: int, value) -> np.ndarr
 
 def ms_per_round(samples: list[Sample], n: int, R: int, seconds) -> np.ndarray:
     """[n, R]: 1000 x seconds(sample) / its rounds (NaN for a sample without rounds)."""
-    return grid(samples, n, R, lambda x: 1e3 * seconds(x) / len(x.accept_lengths) if x.accept_lengths else np.nan)
+    return grid(samples, n, R,
+                lambda x: 1e3 * seconds(x) / len(x.accept_lengths) if x.accept_lengths else np.nan)
 
 
 def summarize(samples: list[Sample], ar: list[Sample], suite: str, n: int, args, block_size: int,
@@ -93,7 +94,8 @@ def spine_summary(samples: list[Sample]) -> dict:
     conf = [x.confidence for x in samples if x.confidence is not None]
     if conf:
         predicted, reached, accepted = ([sum(v) for v in zip(*rows)] for rows in zip(*conf))
-        out["confidence"] = {"predicted": [round(p / n, 4) if n else None for p, n in zip(predicted, reached)],
+        out["confidence"] = {"predicted": [round(p / n, 4) if n else None
+                                           for p, n in zip(predicted, reached)],
                              "measured": [round(a / n, 4) if n else None for a, n in zip(accepted, reached)],
                              "reached": [int(n) for n in reached]}
     cal = calibration_summary(samples)
@@ -113,7 +115,8 @@ def calibration_summary(samples: list[Sample]) -> dict | None:
     if not cells:
         return None
     nodes = sum(c[2] for c in cells.values())
-    rows = [{"depth": d, "rank": r, "stated": round(c[0] / c[2], 4), "measured": round(c[1] / c[2], 4), "nodes": c[2]}
+    rows = [{"depth": d, "rank": r, "stated": round(c[0] / c[2], 4), "measured": round(c[1] / c[2], 4),
+             "nodes": c[2]}
             for (d, r), c in sorted(cells.items())]
     return {"cells": rows, "nodes": nodes,
             "ece": round(sum(abs(c[0] - c[1]) for c in cells.values()) / nodes, 4),
@@ -134,8 +137,10 @@ def predictions(by_method: dict, methods, n: int, args, draws: tuple, curves: sp
             # tokens per round as the measured times count them (the first token of a turn comes from
             # its prefill; a round cut short by a stop token counts what it emitted), so that at one
             # request the prediction is exactly the measured per-prompt ratio
-            tau = grid(by_method[m], n, R, lambda x: x.decoded / len(x.accept_lengths) if x.accept_lengths else np.nan)
-            values[m] = speed.predicted_speedup(tau, stages(m, by_method[m]), ar_stages, m[0], m[1], c, curves, draws)
+            tau = grid(by_method[m], n, R,
+                       lambda x: x.decoded / len(x.accept_lengths) if x.accept_lengths else np.nan)
+            values[m] = speed.predicted_speedup(tau, stages(m, by_method[m]), ar_stages, m[0], m[1], c,
+                                                curves, draws)
             beyond = curves.extrapolated(c, m[1] + 1)  # axes read beyond the measured cost grid
             rows[m][str(c)] = {"speedup": None if np.isnan(values[m][0]) else round(float(values[m][0]), 3),
                                "interval": speed.interval(values[m]), "verify_width": c * (m[1] + 1),
@@ -158,7 +163,8 @@ def scorer_key(config, tree_scores: str) -> tuple[str | None, str | None]:
     return (key if tree_scores == "conditional" else None), key
 
 
-def device_costs_model(device_costs: dict, n: int, R: int, scores: tuple = (None, None)) -> tuple[speed.Curves, object]:
+def device_costs_model(device_costs: dict, n: int, R: int,
+                       scores: tuple = (None, None)) -> tuple[speed.Curves, object]:
     """Curves and stage times on the device of a benchmarks/gpu_costs.py JSON: its verify curve
     (with its context axis when the file has verify_ms_by_context), its draft time (drafting grows
     in proportion to the requests unless the file has draft_ms_by_batch), its tree build by
@@ -169,7 +175,8 @@ def device_costs_model(device_costs: dict, n: int, R: int, scores: tuple = (None
     dt = sorted((int(c), float(ms)) for c, ms in device_costs.get("draft_ms_by_batch", {}).items()) or [
         (1, float(device_costs["draft_ms"]))]
     tree_key, chain_key = scores
-    scored = device_costs.get("tree_build_ms_by_scores", {}).get(tree_key) or device_costs.get("tree_build_ms_by_budget", {})
+    scored = (device_costs.get("tree_build_ms_by_scores", {}).get(tree_key)
+              or device_costs.get("tree_build_ms_by_budget", {}))
     tree = sorted((int(b), float(ms)) for b, ms in scored.items())
     walk = float(device_costs.get("chain_walk_ms_by_scores", {}).get(chain_key, 0.0))
     by_context = {int(t): {int(w): float(ms) for w, ms in row.items()}
@@ -261,10 +268,12 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
         draws = speed.resample(n, args.repeats)
         by_method = {m: [x for x in samples if x.suite == s and (x.method, x.budget) == m] for m in methods}
         if not any(x.accept_lengths for x in by_method[("ar", 0)]):
-            raise UserError(f"suite '{name}': every reply ended at its first token, so no decoding round was timed")
+            raise UserError(f"suite '{name}': every reply ended at its first token, so no decoding round was "
+                            "timed")
         rows, measured = {}, {}
         for m in methods:
-            rows[m], measured[m] = summarize(by_method[m], by_method[("ar", 0)], name, n, args, block_size, draws)
+            rows[m], measured[m] = summarize(by_method[m], by_method[("ar", 0)], name, n, args, block_size,
+                                             draws)
         predicted, by_concurrency = predictions(by_method, methods, n, args, draws, curves,
                                                 measured_stages(n, args.repeats))
         for m in methods:
@@ -283,12 +292,12 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
     return {
         "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "budgets": args.budgets,
         "repeats": args.repeats, "concurrency": args.concurrency,
-        "speed": {"order": "interleaved: every prompt decoded by every method back to back, order rotated per "
-                           "prompt",
-                  "speedup": "median over prompts and repeats of AR's decode time per token / the method's on the "
-                             "same prompt and repeat",
-                  "interval": f"90% percentile bootstrap, prompts then their repeats resampled ({speed.RESAMPLES} "
-                              "resamples, seed 0)"},
+        "speed": {"order": "interleaved: every prompt decoded by every method back to back, order rotated "
+                           "per prompt",
+                  "speedup": "median over prompts and repeats of AR's decode time per token / the method's "
+                             "on the same prompt and repeat",
+                  "interval": "90% percentile bootstrap, prompts then their repeats resampled "
+                              f"({speed.RESAMPLES} resamples, seed 0)"},
         "costs": {"context": costs["context"], "rounds": len(costs["verify_ms"]),
                   "verify_ms_by_width": {str(w): round(float(v), 4)
                                          for w, v in zip(costs["widths"], np.median(verify_ms, axis=0))},
@@ -296,7 +305,8 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
                                         for c, v in zip(costs["batches"], np.median(draft_ms, axis=0))},
                   **cost_grid(costs, curves),
                   "device_costs": {"name": device_costs.get("device"), "file": str(args.verify_times),
-                                   "scores": dict(zip(["tree", "chain"], getattr(args, "scores", (None, None)))),
+                                   "scores": dict(zip(["tree", "chain"],
+                                                      getattr(args, "scores", (None, None)))),
                                    "context_axis": bool(device_costs.get("verify_ms_by_context"))}
                   if device_costs else None},
         "results": results, "advice": advice,

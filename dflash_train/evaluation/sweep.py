@@ -73,8 +73,8 @@ def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, 
         messages.append({"role": "user", "content": turn})
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                       return_dict=True)["input_ids"]
-        r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens, stops, gen,
-                   args.tree_scores)
+        r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens,
+                   stops, gen, args.tree_scores)
         sample.spine = [a + b for a, b in zip(sample.spine, r.spine)]
         add_cells(sample.calibration, r.calibration)
         if r.confidence is not None:
@@ -116,12 +116,13 @@ def check_prompts_fit(suites: list[tuple[str, list[Prompt]]], tok, limit: int | 
                                 f"target '{target}' (max_position_embeddings): drop or shorten the prompt")
 
 
-def run_sweep(target, drafter, suites: list[list[Prompt]], order: list[tuple], args, stops, bar) -> list[Sample]:
+def run_sweep(target, drafter, suites: list[list[Prompt]], order: list[tuple], args, stops,
+              bar) -> list[Sample]:
     samples = []
     for r, s, i, (method, budget) in order:
         bar.set_postfix(repeat=r, method=f"{method}@{budget}" if method == "ddtree" else method)
-        samples.append(decode_prompt(target, drafter, suites[s][i], Sample(s, i, r, method, budget), args, stops,
-                                     args.seed * 100_003 + i, args.max_new_tokens))
+        samples.append(decode_prompt(target, drafter, suites[s][i], Sample(s, i, r, method, budget), args,
+                                     stops, args.seed * 100_003 + i, args.max_new_tokens))
         bar.update(1)
     return samples
 

@@ -45,17 +45,19 @@ def acceptance_section(reports: list[dict]) -> str:
             out += [f"**{suite}** ({plural(r0['prompts'], 'prompt')}, temperature {r0['temperature']}, "
                     f"max {r0['max_new_tokens']} new tokens per turn; target `{rep['target']}`; "
                     f"{rep['hardware']['device']}):", "",
-                    "| method | budget | tau (tokens per target forward) | lossless | speedup vs plain decoding "
-                    "(90% interval) |", "|---|---:|---:|---|---:|"]
+                    "| method | budget | tau (tokens per target forward) | lossless | speedup vs plain "
+                    "decoding (90% interval) |", "|---|---:|---:|---|---:|"]
             for r in rows:
                 lossless = {True: "yes", False: "NO", None: "n/a"}[r["lossless"]]
-                out.append(f"| {r['method']} | {r['budget']} | {r['tau']} | {lossless} | {_speedup_cell(r)} |")
+                out.append(f"| {r['method']} | {r['budget']} | {r['tau']} | {lossless} | {_speedup_cell(r)} "
+                           "|")
             out.append("")
     out.append("tau counts the bonus token; `dflash` is the DFlash chain, `ddtree` a draft tree of "
-               "`budget` nodes verified in one forward, `ar` plain decoding. Speedup: the median over prompts of "
-               "plain decoding's time per token / the method's on the same prompt, all methods run back to back "
-               "per prompt on the hardware named; the interval is a 90% bootstrap over prompts and repeats. "
-               "Values are copied from the eval reports (`eval_reports/` in this repository).")
+               "`budget` nodes verified in one forward, `ar` plain decoding. Speedup: the median over "
+               "prompts of plain decoding's time per token / the method's on the same prompt, all methods "
+               "run back to back per prompt on the hardware named; the interval is a 90% bootstrap over "
+               "prompts and repeats. Values are copied from the eval reports (`eval_reports/` in this "
+               "repository).")
     return "\n".join(out)
 
 
@@ -80,19 +82,21 @@ def budget_section(reports: list[dict]) -> str:
     for rep in reports:
         hw = rep["hardware"]["device"]
         for suite, adv in rep["advice"].items():
-            lines.append(f"- {suite}, measured on {hw}, one request at a time: {verdict_text(adv['measured'])}")
+            lines.append(f"- {suite}, measured on {hw}, one request at a time: "
+                         f"{verdict_text(adv['measured'])}")
             for c, v in adv["concurrency"].items():
                 if int(c) > 1:
-                    lines.append(f"- {suite} on {hw}, {c} concurrent requests (predicted from the verify cost "
-                                 f"measured at each width): {verdict_text(v)}")
+                    lines.append(f"- {suite} on {hw}, {c} concurrent requests (predicted from the verify "
+                                 f"cost measured at each width): {verdict_text(v)}")
             if "device" in adv:
                 for c, v in adv["device"]["concurrency"].items():
-                    lines.append(f"- {suite} on {adv['device']['name']}, {c} request{'s' * (int(c) > 1)} (predicted "
-                                 f"from that device's measured costs): {verdict_text(v)}")
+                    lines.append(f"- {suite} on {adv['device']['name']}, {c} request{'s' * (int(c) > 1)} "
+                                 f"(predicted from that device's measured costs): {verdict_text(v)}")
     if not lines:
         return "No recommended tree budget (no eval report was given)."
-    return ("Which method to run (dflash-eval's advice; a budget is named only when it beats every other method by "
-            "more than the measured spread, otherwise the methods that cannot be told apart are listed):\n\n"
+    return ("Which method to run (dflash-eval's advice; a budget is named only when it beats every other "
+            "method by more than the measured spread, otherwise the methods that cannot be told apart are "
+            "listed):\n\n"
             + "\n".join(lines))
 
 
@@ -136,9 +140,10 @@ def choice_text(r: dict, choice: dict | None, distilled: dict | None = None) -> 
     if td:
         lines.append(distill_text(td, distilled))
     if (r.get("model") or {}).get("markov_w1_embed"):
-        lines.append("The Markov head's W1 was trained as a table plus the verifier's input embedding times a learned "
-                     "[H, r] map, folded into the table every step (model.markov_w1_embed), so tokens seldom seen "
-                     "before a slot (a tree's siblings) have trained rows; it is served as the plain table.")
+        lines.append("The Markov head's W1 was trained as a table plus the verifier's input embedding times "
+                     "a learned [H, r] map, folded into the table every step (model.markov_w1_embed), so "
+                     "tokens seldom seen before a slot (a tree's siblings) have trained rows; it is served "
+                     "as the plain table.")
     if choice is not None:
         what = f"DDTree budget **{choice['budget']}**" if choice["budget"] else "the chain"
         scores = ", ".join(f"step {s}: {v:.2f}" for s, v in choice["validated"].items())
@@ -161,16 +166,16 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
         f"Trained with dflash-train against `{m['target']}` for **{r['max_steps']} steps** "
         f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
         f"{t['warmup_ratio']} warmup, clip {t['clip_grad']}), {d['num_anchors']} anchors per sequence, "
-        f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} slot weights"
-        f"{' and accept-until-fail' if loss['until_first_failure'] else ''}"
+        f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} "
+        f"slot weights{' and accept-until-fail' if loss['until_first_failure'] else ''}"
         + (f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
            if m.get("variant") == "dspark" and m.get("confidence_head") else "")
         + (f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
            if m.get("variant") == "dflash2" else "."),
         f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
         *(["", chosen] if chosen else []),
-        "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml", recipe_text.strip(),
-        "```", "", "</details>"])
+        "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml",
+        recipe_text.strip(), "```", "", "</details>"])
 
 
 def is_dspark_dflash2(cfg) -> tuple[bool, bool]:
@@ -197,7 +202,8 @@ def vllm_text(fmt: str, cfg, pin: dict, serve_ref: str) -> str:
     """The vLLM command(s) that serve the export."""
     dspark, dflash2 = is_dspark_dflash2(cfg)
     if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
-        spec = json.dumps({"method": "dspark", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        spec = json.dumps({"method": "dspark", "model": serve_ref,
+                           "num_speculative_tokens": cfg.block_size - 1})
         vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
                 f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
     elif fmt == SPECULATORS and dflash2:  # vLLM 0.33 reads `dflash2` as DFlash2DraftModel under method dflash
@@ -205,7 +211,8 @@ def vllm_text(fmt: str, cfg, pin: dict, serve_ref: str) -> str:
     elif fmt == SPECULATORS:
         vllm = f"vllm serve {serve_ref}"
     else:
-        spec = json.dumps({"method": "dflash", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+        spec = json.dumps({"method": "dflash", "model": serve_ref,
+                           "num_speculative_tokens": cfg.block_size - 1})
         vllm = f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'"
     return vllm
 
@@ -217,22 +224,24 @@ def limitations_text(cfg, pin: dict) -> str:
         "- The verifier is a local folder with no Hub revision; publish it or re-export with "
         "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
     if dspark and cfg.markov_head_type != "vanilla":
-        extra += ("\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head only: "
-                  f"this `{cfg.markov_head_type}` head's weights are not served there (speculators and dflash-train "
-                  "load them).")
+        extra += ("\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head "
+                  f"only: this `{cfg.markov_head_type}` head's weights are not served there (speculators and "
+                  "dflash-train load them).")
     if dspark:
-        extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with the "
-                  f"Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts the DSpark "
-                  "chain.")
+        extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with "
+                  f"the Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts "
+                  "the DSpark chain.")
     if dflash2:
-        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from dflash-train's decoder, "
-                  "whose tree ranks each node's children by the selector given that node's token.")
+        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from "
+                  "dflash-train's decoder, whose tree ranks each node's children by the selector given that "
+                  "node's token.")
     return extra
 
 
 def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
                reports: list[dict], source_format: str, serve_ref: str, license_id: str,
-               choice: dict | None = None, distilled: dict | None = None, notes: str | None = None) -> ModelCard:
+               choice: dict | None = None, distilled: dict | None = None,
+               notes: str | None = None) -> ModelCard:
     hub_verifier = pin["name_or_path"] if HUB_ID.match(pin["name_or_path"] or "") and not Path(
         pin["name_or_path"]).exists() else None
     datasets = []
@@ -241,7 +250,8 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
     dspark, dflash2 = is_dspark_dflash2(cfg)
     name = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[cfg.variant]
-    card_data = ModelCardData(base_model=hub_verifier, library_name="speculators" if fmt == SPECULATORS else "vllm",
+    card_data = ModelCardData(base_model=hub_verifier,
+                              library_name="speculators" if fmt == SPECULATORS else "vllm",
                               tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
                               + [cfg.variant] * (dspark or dflash2),
                               license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
@@ -249,11 +259,13 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",
         algorithm=name, algorithm_text=algorithm_text(cfg),
         verifier=verifier,
-        verifier_md=f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier else f"`{verifier}`",
-        format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt], pin_text=pin_text(pin),
+        verifier_md=(f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier
+                     else f"`{verifier}`"),
+        format_name={SPECULATORS: "Speculators", NATIVE: "native DFlash (z-lab)"}[fmt],
+        pin_text=pin_text(pin),
         block_size=cfg.block_size, num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-        taps=cfg.target_layer_ids, aux_ids=[k + 1 for k in cfg.target_layer_ids], mask_token=f"`{mask_token}`",
-        mask_token_id=cfg.mask_token_id, params=f"{params:,}",
+        taps=cfg.target_layer_ids, aux_ids=[k + 1 for k in cfg.target_layer_ids],
+        mask_token=f"`{mask_token}`", mask_token_id=cfg.mask_token_id, params=f"{params:,}",
         training=training_section(recipe_text, source_format, choice, distilled),
         acceptance=acceptance_section(reports), validated_on=validated_on_section(reports),
         vllm_command=vllm_text(fmt, cfg, pin, serve_ref), budget_text=budget_section(reports),
@@ -264,5 +276,6 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
 def draft_vocab_text(cfg) -> str:
     if cfg.draft_vocab_size is None:
         return f"the verifier's whole vocabulary ({cfg.vocab_size:,} tokens)"
-    return (f"{cfg.draft_vocab_size:,} of the verifier's {cfg.vocab_size:,} tokens: `lm_head.weight` holds the "
-            "verifier's rows of them (frozen), `d2t` / `t2d` map them (`draft_vocab_size` in config.json)")
+    return (f"{cfg.draft_vocab_size:,} of the verifier's {cfg.vocab_size:,} tokens: `lm_head.weight` holds "
+            "the verifier's rows of them (frozen), `d2t` / `t2d` map them (`draft_vocab_size` in "
+            "config.json)")

@@ -23,7 +23,8 @@ def load_verifier(source: str, revision: str | None, trust_remote_code: bool):
     """config and tokenizer of the verifier (a local folder's absolute path or a Hub id)."""
     try:
         config = AutoConfig.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision,
+                                                  trust_remote_code=trust_remote_code)
     except LOAD_ERRORS as e:
         raise UserError(f"cannot load verifier '{source}': {first_line(e)}") from e
     return config, tokenizer
@@ -35,7 +36,8 @@ def check_verifier(cfg, mask_token: str | None, vconfig, vtokenizer, verifier: s
                                ("vocabulary size", cfg.vocab_size, vconfig.vocab_size),
                                ("layer count", cfg.num_target_layers, vconfig.num_hidden_layers)]:
         if mine is not None and mine != theirs:
-            raise UserError(f"verifier '{verifier}' does not match the drafter: {name} {theirs} vs drafter {mine}")
+            raise UserError(f"verifier '{verifier}' does not match the drafter: {name} {theirs} vs drafter "
+                            f"{mine}")
     try:
         check_tap_layers(cfg.target_layer_ids, vconfig.num_hidden_layers)
     except UserError as e:
@@ -61,13 +63,14 @@ def check_reports(reports: list[dict], drafter, verifier: str, revision: str | N
     for rep in reports:
         where = f"eval report '{rep['_path']}'"
         if not rep.get("drafter_fingerprint"):
-            raise UserError(f"{where} has no drafter_fingerprint (written by an older dflash-eval), so it cannot be "
-                            "matched to this checkpoint: evaluate the checkpoint again")
+            raise UserError(f"{where} has no drafter_fingerprint (written by an older dflash-eval), so it "
+                            "cannot be matched to this checkpoint: evaluate the checkpoint again")
         if rep["drafter_fingerprint"] != fingerprint:
-            raise UserError(f"{where} measured another drafter (fingerprint {rep['drafter_fingerprint'][:12]}, this "
-                            f"checkpoint's is {fingerprint[:12]})")
+            raise UserError(f"{where} measured another drafter (fingerprint "
+                            f"{rep['drafter_fingerprint'][:12]}, this checkpoint's is {fingerprint[:12]})")
         if rep.get("block_size") != B:
-            raise UserError(f"{where} was measured at block size {rep.get('block_size')}, this checkpoint has {B}")
+            raise UserError(f"{where} was measured at block size {rep.get('block_size')}, this checkpoint "
+                            f"has {B}")
         theirs = model_identity(str(rep.get("target")), rep.get("target_revision"))
         if theirs[0] != mine[0] or (None not in (theirs[1], mine[1]) and theirs[1] != mine[1]):
             raise UserError(f"{where} was measured against target '{rep.get('target')}'"
@@ -111,8 +114,10 @@ def push(out: Path, repo: str, private: bool, dry_run: bool) -> None:
     api = HfApi()  # token from HF_TOKEN or the cached login; never printed
     try:
         api.create_repo(repo, private=private, exist_ok=True, repo_type="model")
-        info = api.upload_folder(folder_path=str(out), repo_id=repo, repo_type="model", ignore_patterns=[MARKER],
+        info = api.upload_folder(folder_path=str(out), repo_id=repo, repo_type="model",
+                                 ignore_patterns=[MARKER],
                                  commit_message="Upload DFlash drafter (dflash-export)")
     except Exception as e:  # auth, network, permissions: one line, no token
-        raise UserError(f"push to '{repo}' failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:200]}") from e
+        raise UserError(f"push to '{repo}' failed: {type(e).__name__}: "
+                        f"{str(e).strip().splitlines()[0][:200]}") from e
     print(f"pushed to https://huggingface.co/{repo} ({info.oid if hasattr(info, 'oid') else 'done'})")

@@ -73,8 +73,8 @@ class DrafterConfig:
     attention_bias: bool = False
     # In-block attention: DFlash's bidirectional block, or JetSpec-style causal (slot i sees <= i).
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
-    # DSpark (dflash_train/model/variants/dspark.py): a Markov logit-bias head of rank markov_rank (0: none) and a
-    # confidence head, whose input includes the Markov embedding when confidence_head_with_markov.
+    # DSpark (dflash_train/model/variants/dspark.py): a Markov logit-bias head of rank markov_rank (0: none)
+    # and a confidence head, whose input includes the Markov embedding when confidence_head_with_markov.
     variant: str = "dflash"
     markov_rank: int = 0
     markov_head_type: str = "vanilla"
@@ -151,7 +151,8 @@ class DFlashAttention(nn.Module):
             attend = _compiled_flex_attention() if q.is_cuda else flex_attention  # eager on CPU: tests only
             out = attend(q, k, v, block_mask=mask, enable_gqa=self.kv_heads != self.heads)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                                 enable_gqa=self.kv_heads != self.heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -253,7 +254,8 @@ class DFlashDrafter(nn.Module):
         if config.draft_vocab_size is not None:
             n = config.draft_vocab_size
             self.lm_head = nn.Linear(c.hidden_size, n, bias=False).requires_grad_(False)
-            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))  # int64 [N] offsets: target id = i + d2t[i]
+            # int64 [N] offsets: target id = i + d2t[i]
+            self.register_buffer("d2t", torch.zeros(n, dtype=torch.long))
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))  # bool [V]
 
     @property
@@ -312,7 +314,8 @@ class DFlashDrafter(nn.Module):
         """taps [b, t, n*H] -> fused context [b, t, H]."""
         return self.hidden_norm(self.fc(taps))
 
-    def blocks(self, block_embeds, block_positions, ctx, ctx_positions, mask=None, cache=None) -> torch.Tensor:
+    def blocks(self, block_embeds, block_positions, ctx, ctx_positions, mask=None,
+               cache=None) -> torch.Tensor:
         """block_embeds [b, q, H] (target-embedded block tokens) at block_positions [b, q];
         ctx [b, t, H] fused context at ctx_positions [b, t]; mask [b, 1, q, t'+q] bool, a
         BlockMask or None; cache: a ContextCache (inference) or None (training).

@@ -92,7 +92,8 @@ def slot_terms(draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: 
 def acceptance_rate(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """[..., V] x 2 -> alpha [...] = sum_v min(p_v, q_v), float32 (float64 for float64 inputs)."""
     dtype = torch.promote_types(draft_logits.dtype, torch.float32)
-    return torch.minimum(F.softmax(draft_logits.to(dtype), -1), F.softmax(target_logits.to(dtype), -1)).sum(-1)
+    return torch.minimum(F.softmax(draft_logits.to(dtype), -1),
+                         F.softmax(target_logits.to(dtype), -1)).sum(-1)
 
 
 # --- slot weights ------------------------------------------------------------------------------
@@ -158,10 +159,12 @@ def block_pieces(draft_logits: torch.Tensor, target_logits: torch.Tensor | None,
         labels = target_logits.argmax(-1) if cfg.ce_labels == "target" else tokens
     known = labels >= 0  # a label outside the draft vocabulary (-1) is not supervised, and never hit
     correct = (draft_logits.argmax(-1) == labels) & valid
-    values, alpha = slot_terms(draft_logits, target_logits, labels.clamp(min=0), _objective_names(cfg), cfg.lk_eta)
+    values, alpha = slot_terms(draft_logits, target_logits, labels.clamp(min=0), _objective_names(cfg),
+                               cfg.lk_eta)
     ce = values["ce"].detach() if "ce" in values else None
     if ce is not None and not bool(known.all()):
-        ce = ce.masked_fill(~known, float("inf"))  # D-PACE: confidence exp(-ce) 0 where the drafter cannot hit
+        # D-PACE: confidence exp(-ce) 0 where the drafter cannot hit
+        ce = ce.masked_fill(~known, float("inf"))
     w = slot_weights(valid, ce, cfg, alpha.dtype)
     if cfg.until_first_failure:
         w = w * until_first_failure(correct, valid)
@@ -193,8 +196,8 @@ def _chunked_pieces(h, th, tokens, valid, head, cfg, chunk: int, grad: torch.Ten
         chunk_labels = None if labels is None else labels[rows]
         if grad is None:
             with torch.no_grad():
-                num, s, *slots = block_pieces(_draft_logits(head, h[rows], chunk_bias), t_logits, tokens[rows],
-                                              valid[rows], cfg, chunk_labels)
+                num, s, *slots = block_pieces(_draft_logits(head, h[rows], chunk_bias), t_logits,
+                                              tokens[rows], valid[rows], cfg, chunk_labels)
         else:
             with torch.enable_grad():
                 leaves = [h[rows].detach().requires_grad_()]
@@ -227,8 +230,8 @@ class ChunkedBlockLoss(torch.autograd.Function):
         grad = torch.empty_like(h)
         bias = None if u is None else (u, w2)
         bias_grads = None if u is None else (torch.empty_like(u), torch.zeros_like(w2))
-        numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk, grad,
-                                                                  bias, bias_grads, given)
+        numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk,
+                                                                  grad, bias, bias_grads, given)
         ctx.save_for_backward(grad, *(bias_grads or ()))
         ctx.mark_non_differentiable(sums, labels, correct, alpha)
         return numerator, sums, labels, correct, alpha
@@ -263,18 +266,18 @@ def dflash_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor | None, 
     if cfg.chunk_slots == 0:
         with torch.no_grad():
             t_logits = None if th is None else head(th)
-        numerator, sums, labels, correct, alpha = block_pieces(_draft_logits(head, h, None if u is None else (u, w2)),
-                                                               t_logits, tok, ok, cfg, given)
+        numerator, sums, labels, correct, alpha = block_pieces(
+            _draft_logits(head, h, None if u is None else (u, w2)), t_logits, tok, ok, cfg, given)
     else:
         if any(p.requires_grad for p in head.parameters()):
             raise ValueError("the chunked loss takes a frozen LM head (set loss.chunk_slots=0 to train one)")
         chunk = max(1, cfg.chunk_slots // K)  # whole blocks: D-PACE and AUF act along a block
         if torch.is_grad_enabled() and h.requires_grad:
-            numerator, sums, labels, correct, alpha = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg, chunk, u, w2,
-                                                                             given)
+            numerator, sums, labels, correct, alpha = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg, chunk,
+                                                                             u, w2, given)
         else:
-            numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tok, ok, head, cfg, chunk, None,
-                                                                      None if u is None else (u, w2), None, given)
+            numerator, sums, labels, correct, alpha = _chunked_pieces(
+                h, th, tok, ok, head, cfg, chunk, None, None if u is None else (u, w2), None, given)
     divisor = loss_divisor(valid, cfg, numerator.dtype).clamp(min=1e-8) if normalizer is None else normalizer
     shape = (b, A, K)
     return numerator / divisor, {"terms": sums / divisor, "labels": labels.view(shape),
@@ -292,8 +295,9 @@ def acceptance_counts(correct: torch.Tensor, valid: torch.Tensor, alpha: torch.T
     correct, valid, alpha = correct.reshape(-1, K), valid.reshape(-1, K), alpha.reshape(-1, K)
     blocks = valid[:, 0]
     accepted = torch.cumprod((correct & valid).long(), dim=1).sum(1)
-    return torch.cat([(correct & valid).sum(0).double(), valid.sum(0).double(), (alpha * valid).sum(0).double(),
-                      accepted[blocks].sum()[None].double(), blocks.sum()[None].double()])
+    return torch.cat([(correct & valid).sum(0).double(), valid.sum(0).double(),
+                      (alpha * valid).sum(0).double(), accepted[blocks].sum()[None].double(),
+                      blocks.sum()[None].double()])
 
 
 def acceptance_metrics(counts: torch.Tensor) -> dict:

@@ -109,12 +109,14 @@ def load_target(name_or_path: str, *, revision: str | None = None, dtype: torch.
     and only warn, and a drafter trained against that is worthless."""
     source = model_source(name_or_path, "target")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision,
+                                                  trust_remote_code=trust_remote_code)
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()  # its load report is a table; ours is the line below
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
-                source, revision=revision, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code,
+                source, revision=revision, dtype=dtype, use_safetensors=True,
+                trust_remote_code=trust_remote_code,
                 attn_implementation="sdpa", output_loading_info=True, ignore_mismatched_sizes=True)
         finally:
             hf_logging.set_verbosity(verbosity)
@@ -197,7 +199,8 @@ def hash_cache_file() -> Path:
     """DFLASH_HASH_CACHE, else ~/.cache/dflash-train/weight_hashes.json (XDG_CACHE_HOME respected)."""
     if os.environ.get("DFLASH_HASH_CACHE"):
         return Path(os.environ["DFLASH_HASH_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dflash-train" / "weight_hashes.json"
+    return Path(os.environ.get("XDG_CACHE_HOME")
+                or Path.home() / ".cache") / "dflash-train" / "weight_hashes.json"
 
 
 def weights_sha256(files: list[Path]) -> str:
@@ -236,12 +239,13 @@ def resolve_pin(verifier: str, revision: str | None) -> dict:
         files = sorted(local.glob("*.safetensors"))
         if not files:
             raise UserError(f"cannot pin verifier '{verifier}': no safetensors weights to hash")
-        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None, "sha256": weights_sha256(files),
-                "files": [f.name for f in files]}
+        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None,
+                "sha256": weights_sha256(files), "files": [f.name for f in files]}
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(verifier, "config.json")
     m = SNAPSHOT.search(str(cached)) if isinstance(cached, str) else None
     if not m:
-        raise UserError(f"cannot pin verifier '{verifier}': not in the local Hub cache; pass --verifier-revision")
+        raise UserError(f"cannot pin verifier '{verifier}': not in the local Hub cache; pass "
+                        "--verifier-revision")
     return {"name_or_path": verifier, "kind": "hub_snapshot", "revision": m["sha"]}

@@ -60,8 +60,8 @@ class DraftVocab:
 
 def check_size(size: int, vocab_size: int) -> None:
     if not 2 <= size < vocab_size:  # N = V is the full vocabulary: no d2t / t2d (vLLM would not load them)
-        raise UserError(f"model.draft_vocab_size {size} must be in 2..{vocab_size - 1}, below the target's vocabulary "
-                        f"of {vocab_size} (null: the whole vocabulary)")
+        raise UserError(f"model.draft_vocab_size {size} must be in 2..{vocab_size - 1}, below the target's "
+                        f"vocabulary of {vocab_size} (null: the whole vocabulary)")
 
 
 def count_supervised(rows: Iterable[tuple[list[int], list[int]]]) -> Counter:
@@ -95,8 +95,8 @@ def draft_vocab_from_tensors(d2t: torch.Tensor, t2d: torch.Tensor, where: str) -
     kept = d2t + torch.arange(len(d2t))
     vocab = DraftVocab(kept, len(t2d))
     if len(kept) < 2 or bool((kept[1:] <= kept[:-1]).any()) or int(kept[0]) < 0 or int(kept[-1]) >= len(t2d):
-        raise UserError(f"{where}: d2t does not map draft indices to ascending target ids inside the vocabulary "
-                        f"of {len(t2d)}")
+        raise UserError(f"{where}: d2t does not map draft indices to ascending target ids inside the "
+                        f"vocabulary of {len(t2d)}")
     if not torch.equal(vocab.t2d, t2d):
         raise UserError(f"{where}: d2t and t2d disagree ({int(t2d.sum())} target ids marked in t2d, "
                         f"{len(d2t)} in d2t, {int((vocab.t2d != t2d).sum())} ids differ)")

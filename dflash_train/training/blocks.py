@@ -30,7 +30,8 @@ class BlockOutputs:
     # DSpark (None for DFlash): teacher-forced Markov vectors of slots 1..K, logits += u . W2
     markov_u: torch.Tensor | None = None  # [b, A, K, r]
     confidence_logits: torch.Tensor | None = None  # [b, A, K]
-    block_hidden: torch.Tensor | None = None  # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
+    # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
+    block_hidden: torch.Tensor | None = None
     bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
     # the target's greedy token at each slot, from a cache that stores it (None: not read; see target_labels)
     cached_labels: torch.Tensor | None = None  # [b, A, K] long
@@ -86,19 +87,22 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
         tokens = ids.gather(1, pos.flatten(1)).view(b, A, K)
         if labels is not None:
             labels = labels.gather(1, (pos - 1).flatten(1)).view(b, A, K)
-    block_hidden = drafter(block_embeds, taps, anchors, batch.attention_mask.bool()).view(b, A, block_size, -1)
+    block_hidden = drafter(block_embeds, taps, anchors,
+                           batch.attention_mask.bool()).view(b, A, block_size, -1)
     # slots 1..B-1, made contiguous: the LM head is then one matmul per chunk, not A small batched ones
     hidden = block_hidden[:, :, 1:].contiguous()
     model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
-    block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)  # [b, A, B] the true tokens at slots 0..B-1
-    heads = model.variant.teacher_forced(model, block_hidden, block_tokens)  # DSpark: markov_u, confidence_logits
+    # [b, A, B] the true tokens at slots 0..B-1
+    block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)
+    # DSpark: markov_u, confidence_logits
+    heads = model.variant.teacher_forced(model, block_hidden, block_tokens)
     return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0],
                         cached_labels=labels, **heads)
 
 
-def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, budgets: list[int],
-                      max_blocks: int, conditional=None, hidden: torch.Tensor | None = None,
-                      bonus: torch.Tensor | None = None) -> torch.Tensor:
+def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                      budgets: list[int], max_blocks: int, conditional=None,
+                      hidden: torch.Tensor | None = None, bonus: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
     distributions, walked along the target's tokens (labels) while they are in the tree.
     With `conditional` (block hidden [B, H], bonus) -> scorer (dspark.MarkovScorer over DSpark's
@@ -135,7 +139,8 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
     return counts
 
 
-def confidence_counts(confidence_logits: torch.Tensor, alpha: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def confidence_counts(confidence_logits: torch.Tensor, alpha: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
     """Calibration of DSpark's confidence head, teacher-forced: per slot k the summed predicted
     acceptance sigmoid(c_k), the summed measured rate alpha_k = sum_v min(p_v, q_v) (the loss's),
     and the count of valid slots. Returns summable counts [3K]."""

@@ -18,13 +18,15 @@ def mask_token_id(target: Target, mask_token: str, given_id: int | None = None) 
     rows = target.model.config.vocab_size
     if given_id is not None:
         if given_id >= rows:
-            raise UserError(f"model.mask_token_id {given_id} is outside the target's embedding table ({rows} rows)")
+            raise UserError(f"model.mask_token_id {given_id} is outside the target's embedding table ({rows} "
+                            "rows)")
         return given_id
     tok = target.tokenizer
     ids = tok.convert_tokens_to_ids([mask_token])
     if ids[0] is None or ids[0] == tok.unk_token_id or mask_token not in tok.get_vocab():
-        raise UserError(f"the target's tokenizer has no mask token '{mask_token}' (add it as a special token, "
-                        "or give an unused embedding row as model.mask_token_id, e.g. 151669 for Qwen3)")
+        raise UserError(f"the target's tokenizer has no mask token '{mask_token}' (add it as a special "
+                        "token, or give an unused embedding row as model.mask_token_id, e.g. 151669 for "
+                        "Qwen3)")
     if ids[0] >= target.model.config.vocab_size:
         raise UserError(f"mask token '{mask_token}' id {ids[0]} is outside the target's "
                         f"embedding table ({target.model.config.vocab_size} rows)")
@@ -70,7 +72,8 @@ def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds, val_ds=
         drafter.set_draft_vocab(vocab, target.lm_head.weight)
     out = {"size": vocab.size, "coverage": round(vocab.coverage(counts), 4)}
     if val_ds is not None:
-        out["val_coverage"] = round(vocab.coverage(count_supervised(zip(val_ds["input_ids"], val_ds["loss_mask"]))), 4)
+        out["val_coverage"] = round(vocab.coverage(count_supervised(zip(val_ds["input_ids"],
+                                                                        val_ds["loss_mask"]))), 4)
     return out
 
 
@@ -89,8 +92,8 @@ def copy_target_layers(drafter: DFlashDrafter, target: Target) -> list[int]:
         mine = layer.state_dict()
         bad = [n for n, t in state.items() if n not in mine or mine[n].shape != t.shape]
         if bad:
-            raise UserError(f"model.init_layers_from_target: target layer {k}'s {bad[0]} has no drafter tensor of "
-                            "its shape (another layer type?)")
+            raise UserError(f"model.init_layers_from_target: target layer {k}'s {bad[0]} has no drafter "
+                            "tensor of its shape (another layer type?)")
         missing, _ = layer.load_state_dict(state, strict=False)
         assert all(n.endswith(("q_norm.weight", "k_norm.weight")) or "_conv." in n for n in missing), missing
     drafter.norm.load_state_dict(decoder.norm.state_dict())
@@ -119,8 +122,8 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
         if key == "variant" and grow:
             continue
         if getattr(loaded, field) != getattr(cfg, field):
-            raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe gives "
-                            f"{getattr(cfg, field)}: set model.{key} to match")
+            raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe "
+                            f"gives {getattr(cfg, field)}: set model.{key} to match")
     if grow:
         grown = DFlashDrafter(cfg)
         missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)

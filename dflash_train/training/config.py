@@ -128,7 +128,8 @@ class TrainConfig(Section):
     grad_accum: int = Field(1, ge=1)  # micro-steps per optimizer step
     lr: float = Field(6e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)  # AdamW's
+    # AdamW's
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.95)
     warmup_ratio: float = Field(0.04, ge=0, lt=1)  # of max_steps, then cosine to 0
     clip_grad: float = Field(1.0, gt=0)
     precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto = bf16 where the GPU has it, else fp32
@@ -145,7 +146,8 @@ class EvalConfig(Section):
     # Teacher-forced DDTree acceptance at these tree budgets (tree from the drafter's block
     # distributions, walked along the target's tokens), to pick checkpoints per deployed budget.
     ddtree_budgets: list[Annotated[int, Field(ge=0, le=MAX_TREE_BUDGET)]] = [16, 64]
-    ddtree_max_blocks: int = Field(2000, ge=1)  # blocks scored with trees per validation, per process (CPU heap work)
+    # blocks scored with trees per validation, per process (CPU heap work)
+    ddtree_max_blocks: int = Field(2000, ge=1)
     # The tree budget the drafter is deployed with (one of ddtree_budgets): the run names the saved
     # checkpoint (or final/) with the best held-out DDTree tau there (summary.json "chosen"), and
     # the model card and dflash-eval say which budget it was trained and chosen for. null: the chain.
@@ -197,20 +199,24 @@ class RunConfig(Section):
     def _conditional_head_options_have_a_head(self):
         m = self.model
         if m.markov_w1_embed and not (m.variant == "dspark" and m.markov_rank > 0):
-            raise ValueError("model.markov_w1_embed trains DSpark's Markov W1 (model.variant=dspark with markov_rank "
-                             f"> 0); model.variant={m.variant} with markov_rank {m.markov_rank} has none")
-        if self.tree_distill.weight > 0 and not (m.variant == "dflash2" or (m.variant == "dspark" and m.markov_rank > 0)):
-            raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank > 0, "
-                             f"or dflash2); model.variant={m.variant} has none")
+            raise ValueError("model.markov_w1_embed trains DSpark's Markov W1 (model.variant=dspark with "
+                             f"markov_rank > 0); model.variant={m.variant} with markov_rank {m.markov_rank} "
+                             "has none")
+        if self.tree_distill.weight > 0 and not (m.variant == "dflash2"
+                                                 or (m.variant == "dspark" and m.markov_rank > 0)):
+            raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank "
+                             f"> 0, or dflash2); model.variant={m.variant} has none")
         if m.init_layers_from_target and m.init_from is not None:
-            raise ValueError("model.init_layers_from_target and model.init_from both give the drafter's layers: "
-                             "choose one")
+            raise ValueError("model.init_layers_from_target and model.init_from both give the drafter's "
+                             "layers: choose one")
         if m.draft_vocab_size is not None and m.variant != "dflash":
-            raise ValueError(f"model.draft_vocab_size is for variant dflash: model.variant={m.variant} drafts over the "
-                             "full vocabulary (its Markov / selector tables span it); leave draft_vocab_size null")
+            raise ValueError(f"model.draft_vocab_size is for variant dflash: model.variant={m.variant} "
+                             "drafts over the full vocabulary (its Markov / selector tables span it); leave "
+                             "draft_vocab_size null")
         if self.tree_distill.weight > 0 and self.tree_distill.every > self.max_steps:
-            raise ValueError(f"tree_distill.every={self.tree_distill.every} is past max_steps={self.max_steps}: "
-                             "no step would ever distil (lower every, or set tree_distill.weight=0)")
+            raise ValueError(f"tree_distill.every={self.tree_distill.every} is past "
+                             f"max_steps={self.max_steps}: no step would ever distil (lower every, or set "
+                             "tree_distill.weight=0)")
         return self
 
 
@@ -218,7 +224,8 @@ def _format_error(e: ValidationError) -> str:
     err = e.errors()[0]
     key = ".".join(str(p) for p in err["loc"])
     if err["type"] == "extra_forbidden":
-        return f"'{key}' was replaced by {REPLACED_KEYS[key]}" if key in REPLACED_KEYS else f"unknown key '{key}'"
+        return (f"'{key}' was replaced by {REPLACED_KEYS[key]}" if key in REPLACED_KEYS
+                else f"unknown key '{key}'")
     if not key:  # a check across sections (RunConfig's validators): the whole recipe is no help
         return err["msg"].removeprefix("Value error, ")
     return f"'{key}': {err['msg']} (got {err['input']!r})"
@@ -227,7 +234,8 @@ def _format_error(e: ValidationError) -> str:
 def _has_glued_key(value) -> bool:
     """Did a flow mapping lose its values? YAML reads `{tv:1.0}` as the key 'tv:1.0' with no value."""
     if isinstance(value, dict):
-        return any((isinstance(k, str) and ":" in k and v is None) or _has_glued_key(v) for k, v in value.items())
+        return any((isinstance(k, str) and ":" in k and v is None) or _has_glued_key(v)
+                   for k, v in value.items())
     return isinstance(value, list) and any(_has_glued_key(v) for v in value)
 
 
@@ -285,7 +293,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' appears twice in one mapping",
+                raise yaml.constructor.ConstructorError(None, None,
+                                                        f"key '{key}' appears twice in one mapping",
                                                         key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -304,7 +313,8 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise UserError(f"recipe '{path}' is not UTF-8 text (a binary file?)") from None
     except yaml.YAMLError as e:
         lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-        what = next((line for line in lines if "appears twice" in line), lines[0] if lines else type(e).__name__)
+        what = next((line for line in lines if "appears twice" in line),
+                    lines[0] if lines else type(e).__name__)
         raise UserError(f"recipe '{path}' is not valid YAML: {what}") from e
     if not isinstance(tree, dict):
         raise UserError(f"recipe '{path}' must be a mapping of keys to values")

@@ -93,12 +93,14 @@ def fully_shard_drafter(drafter: torch.nn.Module, accelerator: Accelerator) -> N
     FSDP_TRANSFORMER_CLS_TO_WRAP, then the root), over all processes of a gloo mesh."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    wrap = {c.strip() for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "DFlashDecoderLayer").split(",")}
+    wrap = {c.strip()
+            for c in os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "DFlashDecoderLayer").split(",")}
     reshard = _flag("FSDP_RESHARD_AFTER_FORWARD") or "FSDP_RESHARD_AFTER_FORWARD" not in os.environ
     mesh = init_device_mesh(accelerator.device.type, (accelerator.num_processes,))
     units = [m for m in drafter.modules() if type(m).__name__ in wrap]
     if not units:
-        raise UserError(f"FSDP wraps {sorted(wrap)} but the drafter has no such module (it has DFlashDecoderLayer)")
+        raise UserError(f"FSDP wraps {sorted(wrap)} but the drafter has no such module (it has "
+                        "DFlashDecoderLayer)")
     for m in units:
         fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
     fully_shard(drafter, mesh=mesh, reshard_after_forward=reshard)
@@ -133,11 +135,11 @@ def configure_deepspeed(accelerator: Accelerator, clip_grad: float, grad_accum: 
     if ds.get("gradient_clipping", "auto") == "auto":
         ds["gradient_clipping"] = clip_grad
     elif float(ds["gradient_clipping"]) != clip_grad:
-        raise UserError(f"the DeepSpeed config clips at {ds['gradient_clipping']} but train.clip_grad is {clip_grad}: "
-                        "make them agree (or set gradient_clipping to \"auto\")")
+        raise UserError(f"the DeepSpeed config clips at {ds['gradient_clipping']} but train.clip_grad is "
+                        f"{clip_grad}: make them agree (or set gradient_clipping to \"auto\")")
     if ds.get("gradient_accumulation_steps", 1) not in (1, "auto"):
-        raise UserError(f"the DeepSpeed config accumulates {ds['gradient_accumulation_steps']} micro-steps; dflash-train "
-                        "normalises each step itself: set gradient_accumulation_steps to 1")
+        raise UserError(f"the DeepSpeed config accumulates {ds['gradient_accumulation_steps']} micro-steps; "
+                        "dflash-train normalises each step itself: set gradient_accumulation_steps to 1")
 
 
 @contextlib.contextmanager

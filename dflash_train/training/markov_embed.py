@@ -39,11 +39,14 @@ class SharedW1:
         table = head.markov_w1.weight  # T [V, r]: the drafter's own parameter
         E = embed_weight.detach().to(table.device, torch.float32)
         if E.shape[0] != table.shape[0]:
-            raise ValueError(f"the target's embedding has {E.shape[0]} rows, the Markov table {table.shape[0]}")
+            raise ValueError(f"the target's embedding has {E.shape[0]} rows, the Markov table "
+                             f"{table.shape[0]}")
         self.head = head
         self.basis = E / E.norm(dim=1).mean()  # Ê [V, H]: rows of mean norm 1
-        self.proj = torch.zeros(E.shape[1], table.shape[1], device=table.device, requires_grad=True)  # P [H, r]
-        self.opt = torch.optim.AdamW([self.proj], lr=lr / math.sqrt(E.shape[1]), betas=betas, weight_decay=0.0)
+        self.proj = torch.zeros(E.shape[1], table.shape[1], device=table.device,
+                                requires_grad=True)  # P [H, r]
+        self.opt = torch.optim.AdamW([self.proj], lr=lr / math.sqrt(E.shape[1]), betas=betas,
+                                     weight_decay=0.0)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
 
     def step(self) -> None:

@@ -25,11 +25,13 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
                           normalizer=normalizer, markov_bias=bias)
     if o.confidence_logits is not None and cfg.loss.confidence_weight:
         w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
-        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w, normalizer)
+        loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w,
+                                                                   normalizer)
     if model.candidate_selector is not None:
-        block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's tokens, slots 0..B-1
-        sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens, target.lm_head,
-                                        m["labels"], o.valid, cfg.loss, normalizer)
+        # [b, A, B] the data's tokens, slots 0..B-1
+        block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)
+        sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens,
+                                        target.lm_head, m["labels"], o.valid, cfg.loss, normalizer)
         m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
         m["correct"] = correct
         loss = loss + cfg.loss.selector_weight * sel
@@ -44,8 +46,8 @@ def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
     p) are computed only when a term or alpha needs them: a ce step touches only the N-wide head."""
     given = target_labels(o, target) if cfg.loss.ce_labels == "target" else o.tokens
     need_p = with_alpha or bool(set(cfg.loss.terms) - {"ce"})
-    loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head, o.tokens, o.valid,
-                          cfg.loss, normalizer=normalizer, labels=model.to_draft_ids(given))
+    loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head, o.tokens,
+                          o.valid, cfg.loss, normalizer=normalizer, labels=model.to_draft_ids(given))
     m["labels"] = given  # target ids: validation's trees are walked in the target's vocabulary
     return loss, m
 

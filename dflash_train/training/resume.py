@@ -19,7 +19,8 @@ from dflash_train.training.engines import full_model_state, full_optimizer_state
 DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
 # Recipe keys (or whole sections) that may change between a run and its resumption (they do not
 # affect the math; a run folder may be moved or copied; the deploy budget only names a checkpoint).
-RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb", "eval.deploy_budget"}
+RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb",
+                     "eval.deploy_budget"}
 # Recipe keys naming inputs: compared as resolved paths, so data/x and ./data/x/ are the same input.
 PATH_KEYS = {"model.target", "model.init_from", "data.train", "data.val", "data.hidden_state_cache"}
 
@@ -47,7 +48,8 @@ def _flat(tree: dict, prefix: str = "") -> dict:
 def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> None:
     now, before = _flat(cfg.model_dump(mode="json")), _flat(saved)
     # a section added after the run was saved (tree_distill) reads as its defaults: an older run resumes
-    before |= {k: v for k, v in _flat(RunConfig().model_dump(mode="json")).items() if k.split(".")[0] not in saved}
+    before |= {k: v for k, v in _flat(RunConfig().model_dump(mode="json")).items()
+               if k.split(".")[0] not in saved}
 
     def same(k: str) -> bool:
         if k in PATH_KEYS and isinstance(now[k], str) and isinstance(before.get(k), str):
@@ -57,9 +59,9 @@ def check_same_recipe(saved: dict, cfg: RunConfig, where: Path, what: str) -> No
     resumable = {k for k in now if any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES)}
     changed = [k for k in now if k not in resumable and not same(k)]
     if changed:
-        raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); rerun with the same "
-                        f"recipe to resume, choose another output_dir, or pass overwrite=true to delete this run "
-                        f"({what})")
+        raise UserError(f"cannot resume from {where}: the recipe changed ({', '.join(changed)}); rerun with "
+                        "the same recipe to resume, choose another output_dir, or pass overwrite=true to "
+                        f"delete this run ({what})")
 
 
 def save_training_checkpoint(folder: Path, accelerator, engine: str, drafter, opt, target, cfg: RunConfig,
@@ -98,8 +100,8 @@ def check_finite_weights(weights: dict, accelerator, step: int, out: Path) -> No
     bad = [k for k, v in (weights or {}).items() if v.is_floating_point() and not torch.isfinite(v).all()]
     n = accelerator.reduce(torch.tensor([float(len(bad))], device=accelerator.device), reduction="sum").item()
     if n:
-        raise UserError(f"step {step}: the drafter's weights are not finite{f' ({bad[0]})' if bad else ''}: nothing "
-                        f"of this step was saved, {kept_state(out)} (lower train.lr)")
+        raise UserError(f"step {step}: the drafter's weights are not finite{f' ({bad[0]})' if bad else ''}: "
+                        f"nothing of this step was saved, {kept_state(out)} (lower train.lr)")
 
 
 def choose_checkpoint(out: Path, cfg: RunConfig) -> dict:
@@ -114,8 +116,10 @@ def choose_checkpoint(out: Path, cfg: RunConfig) -> dict:
     for line in (out / "metrics.jsonl").read_text().splitlines():
         r = json.loads(line)
         if key in r and (folder(r["step"]) == "final" or (out / folder(r["step"])).is_dir()):
-            scores[r["step"]] = r[key] if cfg.eval.deploy_budget is None else r[key][str(cfg.eval.deploy_budget)]
+            scores[r["step"]] = (r[key] if cfg.eval.deploy_budget is None
+                                 else r[key][str(cfg.eval.deploy_budget)])
     step = max(scores, key=lambda s: (scores[s], s))
-    return {"budget": cfg.eval.deploy_budget, "metric": "ddtree_tau" if cfg.eval.deploy_budget else "chain_eal",
+    return {"budget": cfg.eval.deploy_budget,
+            "metric": "ddtree_tau" if cfg.eval.deploy_budget else "chain_eal",
             "step": step, "folder": folder(step), "value": scores[step],
             "validated": {str(s): v for s, v in sorted(scores.items())}}

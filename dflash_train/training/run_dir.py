@@ -38,8 +38,9 @@ def plan_output_dir(cfg: RunConfig) -> OutputPlan:
     out = Path(cfg.output_dir)
     check_folder_path(out, "output_dir")
     m, d = cfg.model, cfg.data
-    refuse_overlap(out, [("model.target", m.target), ("model.init_from", m.init_from), ("data.train", d.train),
-                         ("data.val", d.val), ("data.hidden_state_cache", d.hidden_state_cache)], "output_dir")
+    refuse_overlap(out,
+                   [("model.target", m.target), ("model.init_from", m.init_from), ("data.train", d.train),
+                    ("data.val", d.val), ("data.hidden_state_cache", d.hidden_state_cache)], "output_dir")
     check_writable(out, "output_dir")
     if is_empty(out):
         return OutputPlan(None, False, None)
@@ -53,11 +54,13 @@ def plan_output_dir(cfg: RunConfig) -> OutputPlan:
     what = describe_run(out)
     if cfg.overwrite:
         if kind is None:
-            raise UserError(f"output_dir '{out}' has no {MARKER} (written before dflash-train marked its runs), so "
-                            "overwrite=true will not delete it: delete it yourself, or choose another output_dir")
+            raise UserError(f"output_dir '{out}' has no {MARKER} (written before dflash-train marked its "
+                            "runs), so overwrite=true will not delete it: delete it yourself, or choose "
+                            "another output_dir")
         check_cwd_outside(out, "output_dir")
-        return OutputPlan(None, True, f"overwrite=true: the run in '{out}' ({what}) is deleted once the new run "
-                                      "is set up")
+        return OutputPlan(None, True,
+                          f"overwrite=true: the run in '{out}' ({what}) is deleted once the new run "
+                          "is set up")
     if (out / "summary.json").is_file():
         raise UserError(f"output_dir '{out}' holds a finished run: overwrite=true deletes it ({what}), "
                         "or choose another output_dir")

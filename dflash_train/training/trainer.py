@@ -54,13 +54,13 @@ from dflash_train.model.target import check_positions, load_target, max_position
 from dflash_train.training.blocks import BlockOutputs, anchored_blocks, block_slots, draw_anchors
 from dflash_train.training.build import attach_draft_vocab, init_drafter
 from dflash_train.training.config import RunConfig, dump_recipe
-from dflash_train.training.engines import (configure_deepspeed, full_model_state, fully_shard_drafter, grad_norm_of,
-                                           gradient_sync, launched_engine, load_optimizer_state, make_accelerator,
-                                           shards_itself, whole_model_loading)
+from dflash_train.training.engines import (configure_deepspeed, full_model_state, fully_shard_drafter,
+                                           grad_norm_of, gradient_sync, launched_engine, load_optimizer_state,
+                                           make_accelerator, shards_itself, whole_model_loading)
 from dflash_train.training.markov_embed import SharedW1
 from dflash_train.training.objective import term_names, training_loss
-from dflash_train.training.resume import (DEEPSPEED_STATE, check_finite_weights, choose_checkpoint, kept_state,
-                                          save_training_checkpoint)
+from dflash_train.training.resume import (DEEPSPEED_STATE, check_finite_weights, choose_checkpoint,
+                                          kept_state, save_training_checkpoint)
 from dflash_train.training.run_dir import OutputPlan, StopRequest, open_output_dir, plan_output_dir
 from dflash_train.training.tree_distill import pick_blocks, tree_distillation_loss
 from dflash_train.training.validate import cpu_tree_scorer, validate, validation_record
@@ -85,12 +85,14 @@ def train_batches(loader, sampler: EpochSampler, accelerator, epoch: int, skip: 
     """Endless (epoch, batches consumed in that epoch, batch), starting `skip` batches into `epoch`."""
     while True:
         sampler.epoch = epoch
-        for i, batch in enumerate(accelerator.skip_first_batches(loader, skip) if skip else loader, start=skip):
+        for i, batch in enumerate(accelerator.skip_first_batches(loader, skip) if skip else loader,
+                                  start=skip):
             yield epoch, i + 1, batch
         epoch, skip = epoch + 1, 0
 
 
-def distilled_trees(run, model, batch, anchors, o: BlockOutputs, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def distilled_trees(run, model, batch, anchors, o: BlockOutputs,
+                    step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Tree distillation on one sequence of the micro-batch (tree_distill.py) -> (mean KL over the
     trees' nodes, with grad; summable [nodes, agreeing argmaxes])."""
     tcfg = run.cfg.tree_distill
@@ -98,8 +100,9 @@ def distilled_trees(run, model, batch, anchors, o: BlockOutputs, step: int) -> t
     if row < 0:
         return torch.zeros((), device=o.draft_hidden.device), torch.zeros(2, dtype=torch.float64)
     length = int(batch.attention_mask[row].sum())  # right-padded
-    kl, c = tree_distillation_loss(model, run.target, batch.input_ids[row, :length], o.block_hidden[row, blocks],
-                                   anchors[row, blocks].tolist(), tcfg.budget, cpu_tree_scorer(model))
+    kl, c = tree_distillation_loss(model, run.target, batch.input_ids[row, :length],
+                                   o.block_hidden[row, blocks], anchors[row, blocks].tolist(), tcfg.budget,
+                                   cpu_tree_scorer(model))
     return kl, torch.tensor([c["nodes"], c["agree"]], dtype=torch.float64)
 
 
@@ -114,8 +117,9 @@ def check_heads_engine(variant: str, engine: str, accelerator) -> None:
         raise UserError(f"model.variant={variant} under FSDP needs fsdp_reshard_after_forward: false "
                         "(launch with --config_file recipes/accelerate/fsdp_dspark.yaml)")
     if engine == "deepspeed" and accelerator.state.deepspeed_plugin.zero_stage == 3:
-        raise UserError(f"model.variant={variant} does not run under DeepSpeed ZeRO-3 (its heads' weights are used "
-                        "outside a module forward): use ZeRO-2 or recipes/accelerate/fsdp_dspark.yaml")
+        raise UserError(f"model.variant={variant} does not run under DeepSpeed ZeRO-3 (its heads' weights "
+                        "are used outside a module forward): use ZeRO-2 or "
+                        "recipes/accelerate/fsdp_dspark.yaml")
 
 
 def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
@@ -191,16 +195,16 @@ def run_training(cfg: RunConfig) -> None:
     run = setup(cfg, plan)
     metrics_file = open_metrics(run)
     accelerator = run.accelerator
-    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="train", disable=not accelerator.is_main_process,
-               dynamic_ncols=True, mininterval=BAR_INTERVAL)
+    bar = tqdm(total=cfg.max_steps, initial=run.start_step, desc="train",
+               disable=not accelerator.is_main_process, dynamic_ncols=True, mininterval=BAR_INTERVAL)
     val, t_start = None, time.time()
     stop = StopRequest()  # Ctrl-C: finish the step on every process, then stop (a second one stops at once)
     for step in range(run.start_step + 1, cfg.max_steps + 1):
         record, live, position, stop_after_step = optimizer_step(run, step, stop)
         record["elapsed_s"] = round(time.time() - t_start, 2)
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
-            val = validate(accelerator, run.drafter, run.target, run.val_ds, run.collate_fn, cfg, run.layer_ids,
-                           run.mask_id)
+            val = validate(accelerator, run.drafter, run.target, run.val_ds, run.collate_fn, cfg,
+                           run.layer_ids, run.mask_id)
             record.update(validation_record(val))
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
@@ -257,21 +261,25 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
     check_heads_engine(cfg.model.variant, engine, accelerator)
     drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
     if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
-        raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto or sdpa")
+        raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto "
+                        "or sdpa")
     drafter.flex_attention = cfg.train.attention == "flex" or (cfg.train.attention == "auto"
                                                                and accelerator.device.type == "cuda")
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     train_dl, sampler, val_ds, collate_fn, cache = setup_data(cfg, target, layer_ids, accelerator)
-    draft_vocab = attach_draft_vocab(drafter, target, train_dl.dataset, val_ds)  # before a resume loads the saved one
+    # before a resume loads the saved one
+    draft_vocab = attach_draft_vocab(drafter, target, train_dl.dataset, val_ds)
     if draft_vocab:
         accelerator.print(f"draft vocabulary: {draft_vocab['size']} of {dcfg.vocab_size} tokens, covering "
                           f"{draft_vocab['coverage']:.1%} of data.train's supervised tokens "
                           f"({draft_vocab['val_coverage']:.1%} of data.val's)")
-    drafter, opt, raw_opt, sched, shared_w1, train_dl, position = setup_optimization(cfg, accelerator, engine, drafter,
-                                                                                     target, train_dl, resume)
+    drafter, opt, raw_opt, sched, shared_w1, train_dl, position = setup_optimization(cfg, accelerator, engine,
+                                                                                     drafter, target,
+                                                                                     train_dl, resume)
     start_step, epoch, skip, tokens, train_time = position
-    open_output_dir(out, plan, accelerator)  # everything is loaded and checked: only now is output_dir touched
+    # everything is loaded and checked: only now is output_dir touched
+    open_output_dir(out, plan, accelerator)
     if cfg.wandb.enabled:
         accelerator.init_trackers(cfg.wandb.project, config=cfg.model_dump(mode="json"), init_kwargs={
             "wandb": {"mode": cfg.wandb.mode, "dir": str(out), "name": cfg.wandb.run_name}})
@@ -280,13 +288,15 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
         f"target {cfg.model.target}: {target.num_layers} layers, taps {layer_ids}; drafter "
         f"{count_parameters(accelerator.unwrap_model(drafter)) / 1e6:.2f}M trainable parameters, block {B}; "
         f"{sampler.n} train / {len(val_ds)} val conversations; hidden states "
-        f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} on "
-        f"{accelerator.device} x{accelerator.num_processes} ({engine})" + (f"; resuming from {resume}" if resume else ""))
+        f"{'from ' + cfg.data.hidden_state_cache if cache else 'online'}; {precision.replace('no', 'fp32')} "
+        f"on {accelerator.device} x{accelerator.num_processes} ({engine})"
+        + (f"; resuming from {resume}" if resume else ""))
     return Run(cfg=cfg, out=out, engine=engine, precision=precision, accelerator=accelerator, target=target,
                drafter=drafter, opt=opt, raw_opt=raw_opt, sched=sched,
                batches=train_batches(train_dl, sampler, accelerator, epoch, skip),
                val_ds=val_ds, collate_fn=collate_fn, cache=cache, layer_ids=layer_ids, B=B, mask_id=mask_id,
-               shared_w1=shared_w1, start_step=start_step, tokens=tokens, train_time=train_time, resume=resume)
+               shared_w1=shared_w1, start_step=start_step, tokens=tokens, train_time=train_time,
+               resume=resume)
 
 
 def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):
@@ -294,7 +304,8 @@ def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):
     with accelerator.main_process_first():
         train_ds = load_conversations(cfg.data.train, target.tokenizer, cfg.data.max_length)
         val_ds = load_conversations(cfg.data.val, target.tokenizer, cfg.data.max_length)
-    cache = open_cache(cfg.data.hidden_state_cache, target, layer_ids, train_ds) if cfg.data.hidden_state_cache else None
+    cache = (open_cache(cfg.data.hidden_state_cache, target, layer_ids, train_ds)
+             if cfg.data.hidden_state_cache else None)
     train_ds = train_ds.add_column("row", list(range(len(train_ds))))  # anchors and the cache are per row
     if cfg.eval.max_samples:
         val_ds = val_ds.select(range(min(cfg.eval.max_samples, len(val_ds))))
@@ -309,7 +320,8 @@ def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):
     return train_dl, sampler, val_ds, collate_fn, cache
 
 
-def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, target, train_dl, resume: Path | None):
+def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, target, train_dl,
+                       resume: Path | None):
     """Distribution, AdamW and the cosine schedule (stepped once per optimizer step, on every
     process), restored from `resume` -> (drafter, opt, torch optimizer, schedule, SharedW1 or None,
     train loader, (step, epoch, batches consumed in it, tokens, train time) to continue from)."""
@@ -317,8 +329,8 @@ def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, target
     if resume:  # full weights go in before any sharding; the optimizer state after it
         weights, state = load_checkpoint(resume)
         if (state["engine"] == "deepspeed") != (engine == "deepspeed"):
-            raise UserError(f"cannot resume from {resume}: it was written under {state['engine']} and this run uses "
-                            f"{engine} (DeepSpeed checkpoints resume under DeepSpeed only)")
+            raise UserError(f"cannot resume from {resume}: it was written under {state['engine']} and this "
+                            f"run uses {engine} (DeepSpeed checkpoints resume under DeepSpeed only)")
         drafter.load_state_dict(weights)
         start_step, epoch, skip = state["step"], state["epoch"], state["batches_in_epoch"]
         tokens, train_time = state["tokens"], state["train_time"]
@@ -342,8 +354,8 @@ def setup_optimization(cfg: RunConfig, accelerator, engine: str, drafter, target
     shared_w1 = None
     if cfg.model.markov_w1_embed:  # W1's embedding path (markov_embed.py): reads the table's whole gradient
         if engine not in ("single", "ddp"):
-            raise UserError(f"model.markov_w1_embed runs on one process or under DDP, not under {engine} (it reads "
-                            "the Markov table's whole gradient after each step)")
+            raise UserError(f"model.markov_w1_embed runs on one process or under DDP, not under {engine} (it "
+                            "reads the Markov table's whole gradient after each step)")
         shared_w1 = SharedW1(accelerator.unwrap_model(drafter).markov_head, target.embed.weight, cfg.train.lr,
                              cfg.train.betas, sched.lr_lambdas[0])
         if resume:
@@ -414,7 +426,8 @@ def backward_micro_batches(run: Run, step: int, micro: list, normalizer: torch.T
                                 run.mask_id, run.cache)
             model = accelerator.unwrap_model(drafter)
             # alpha needs the target's logits: a draft-vocabulary step skips them between log steps
-            loss, m = training_loss(o, run.target, model, cfg, normalizer, with_alpha=step % cfg.log_every == 0)
+            loss, m = training_loss(o, run.target, model, cfg, normalizer,
+                                    with_alpha=step % cfg.log_every == 0)
             if cfg.tree_distill.weight > 0:  # its term: this step's KL on the first micro-batch, else 0
                 kl = torch.zeros((), device=loss.device)
                 if distil and i == 0:
@@ -437,8 +450,8 @@ def reduce_stats(run: Run, loss_sum: float, step_tokens: int, counts, terms, tre
     process: one small all-reduce. The stop request rides along, so every process stops after the
     same step."""
     cfg, accelerator = run.cfg, run.accelerator
-    stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms, tree_counts,
-                       torch.tensor([float(stop_requested)], dtype=torch.float64)])
+    stats = torch.cat([torch.tensor([loss_sum, step_tokens], dtype=torch.float64), counts.cpu(), terms,
+                       tree_counts, torch.tensor([float(stop_requested)], dtype=torch.float64)])
     stats = accelerator.reduce(stats.to(accelerator.device), reduction="sum").cpu()
     stop_after_step, tree, stats = stats[-1].item() > 0, stats[-3:-1].tolist(), stats[:-3]
     loss, tokens = stats[0].item() / accelerator.num_processes, int(stats[1])
@@ -492,8 +505,9 @@ def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
     out = run.out
     save_drafter(out / "final", accelerator.unwrap_model(drafter), run.target, dump_recipe(cfg), weights)
     summary = {"steps": cfg.max_steps, "wall_s": round(time.time() - t_start, 2),
-               "train_tokens_per_s": round(run.tokens / max(run.train_time, 1e-9), 1), "train_tokens": run.tokens,
-               "resumed_from_step": run.start_step, "processes": accelerator.num_processes, "engine": run.engine,
+               "train_tokens_per_s": round(run.tokens / max(run.train_time, 1e-9), 1),
+               "train_tokens": run.tokens, "resumed_from_step": run.start_step,
+               "processes": accelerator.num_processes, "engine": run.engine,
                "device": str(accelerator.device), "precision": "bf16" if run.precision == "bf16" else "fp32",
                "drafter_parameters": count_parameters(accelerator.unwrap_model(drafter)),
                "target": cfg.model.target, "target_layer_ids": run.layer_ids, "block_size": run.B,
@@ -507,11 +521,13 @@ def write_outputs(run: Run, val: dict, t_start: float, metrics_file) -> None:
     tree = "".join(f", DDTree@{b} {t:.2f}" for b, t in val["ddtree_tau"].items())
     print(f"done: {cfg.max_steps} steps in {summary['wall_s']:.0f}s, {summary['train_tokens_per_s']:.0f} "
           f"train tokens/s; held-out EAL {val['eal']:.2f} (chain){tree}; acc@1 "
-          f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in {out / 'final'}")
+          f"{val['acc_per_position'][0]:.3f}, alpha@1 {val['alpha_per_position'][0]:.3f}; drafter in "
+          f"{out / 'final'}")
     c = summary["chosen"]
     if c["folder"] != "final":
         what = f"DDTree@{c['budget']}" if c["budget"] else "the chain"
-        print(f"for {what}, the best validated drafter is {out / c['folder']} (step {c['step']}: {c['value']:.2f})")
+        print(f"for {what}, the best validated drafter is {out / c['folder']} (step {c['step']}: "
+              f"{c['value']:.2f})")
 
 
 def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path) -> None:
@@ -519,8 +535,8 @@ def check_finite_step(step: int, loss: float, grad_norm: float | None, out: Path
     DeepSpeed, whose engine reports its norm after it); the step is not saved."""
     for name, value in [("loss", loss), ("gradient norm", grad_norm)]:
         if value is not None and not math.isfinite(value):
-            raise UserError(f"step {step}: the {name} is {value}: training stopped and nothing of this step is "
-                            f"saved; {kept_state(out)} (lower train.lr, or check the data and loss.terms)")
+            raise UserError(f"step {step}: the {name} is {value}: training stopped and nothing of this step "
+                            f"is saved; {kept_state(out)} (lower train.lr, or check the data and loss.terms)")
 
 
 def flat_for_tracker(record: dict) -> dict:

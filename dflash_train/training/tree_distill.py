@@ -87,7 +87,8 @@ def node_log_probs(model, lm_head, hidden: torch.Tensor, tree: DraftTree, bonus:
     if model.candidate_selector is not None:
         selector = model.candidate_selector
         with torch.no_grad():  # the candidate sets: slot d+1's unary top-K
-            support = lm_head(hidden[1:]).topk(min(selector.top_k, lm_head.weight.shape[0]), dim=-1).indices[depths]
+            support = lm_head(hidden[1:]).topk(min(selector.top_k, lm_head.weight.shape[0]),
+                                               dim=-1).indices[depths]
         unary = (lm_head.weight[support].to(h_next.dtype) @ h_next[..., None]).squeeze(-1)  # [m, K]
         context = selector(h_next, tokens)  # [m, r]
         scores = unary + (context[:, None, :] * selector.successor_codebook[support]).sum(-1).to(unary.dtype)

@@ -43,7 +43,8 @@ def packed_trees(ids: torch.Tensor, anchors: list[int], trees: list[DraftTree]):
 
 
 @torch.no_grad()
-def tree_target_logits(model, ids: torch.Tensor, anchors: list[int], trees: list[DraftTree]) -> list[torch.Tensor]:
+def tree_target_logits(model, ids: torch.Tensor, anchors: list[int],
+                       trees: list[DraftTree]) -> list[torch.Tensor]:
     """The target's logits at each tree's root and nodes (see the module docstring), one forward
     of width T + N with an additive [1, 1, T+N, T+N] mask. Cost: one target pass over the
     sequence and the nodes, and attention over (T + N)^2 pairs, so keep N near T (a few anchors

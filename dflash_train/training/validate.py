@@ -35,7 +35,8 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
     tree_blocks_left = cfg.eval.ddtree_max_blocks  # over the whole validation, on this process
-    for i in tqdm(range(0, -(-len(val_ds) // accelerator.num_processes), bs), desc="validate", leave=False, position=0,
+    for i in tqdm(range(0, -(-len(val_ds) // accelerator.num_processes), bs), desc="validate",
+                  leave=False, position=0,
                   disable=not accelerator.is_main_process, dynamic_ncols=True, mininterval=BAR_INTERVAL):
         chunk = rows[i : i + bs]
         batch = collate_fn([{**val_ds[r], "row": r} for r in chunk or [0]]).to(accelerator.device)
@@ -104,8 +105,8 @@ def validation_result(totals: torch.Tensor, cfg: RunConfig, confidence: bool) ->
            "terms": {name: (head[1 + t] / divisor).item() for t, name in enumerate(term_names(cfg))},
            **acceptance_metrics(counts),
            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
-           "on_spine_acc": on_hit / on_n if on_n else None, "off_spine_acc": off_hit / off_n if off_n else None,
-           "off_spine_nodes": int(off_n)}
+           "on_spine_acc": on_hit / on_n if on_n else None,
+           "off_spine_acc": off_hit / off_n if off_n else None, "off_spine_nodes": int(off_n)}
     if confidence:
         predicted, alpha, n = calibration.view(3, K)
         out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
@@ -126,7 +127,8 @@ def cpu_tree_scorer(model):
     if model.markov_head is not None:
         copy, scorer = MarkovHead(c.vocab_size, head.rank, c.hidden_size, head.head_type), MarkovScorer
     else:
-        copy, scorer = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k), SelectorScorer
+        copy, scorer = (CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k),
+                        SelectorScorer)
     copy.load_state_dict(state)
     return partial(scorer, copy.eval())
 
@@ -138,7 +140,8 @@ def validation_record(val: dict) -> dict:
               "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
               "val_alpha_per_position": [round(a, 4) for a in val["alpha_per_position"]],
               "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
-              **{f"val_{k}": None if val[k] is None else round(val[k], 4) for k in ("on_spine_acc", "off_spine_acc")}}
+              **{f"val_{k}": None if val[k] is None else round(val[k], 4)
+                 for k in ("on_spine_acc", "off_spine_acc")}}
     if "confidence" in val:  # DSpark: the confidence head's calibration per slot
         record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
     return record

@@ -159,13 +159,14 @@ def _chunked_selector(h, context, successor_codebook, head, labels, valid, top_k
             logits = head(h[rows])
         if grads is None:
             with torch.no_grad():
-                num, c, cont = _selector_pieces(h[rows], context[rows], successor_codebook, head.weight, logits,
-                                                labels[rows], valid[rows], top_k, cfg)
+                num, c, cont = _selector_pieces(h[rows], context[rows], successor_codebook, head.weight,
+                                                logits, labels[rows], valid[rows], top_k, cfg)
         else:
             with torch.enable_grad():
                 leaves = [h[rows].detach().requires_grad_(), context[rows].detach().requires_grad_(),
                           successor_codebook.detach().requires_grad_()]
-                num, c, cont = _selector_pieces(*leaves, head.weight, logits, labels[rows], valid[rows], top_k, cfg)
+                num, c, cont = _selector_pieces(*leaves, head.weight, logits, labels[rows], valid[rows],
+                                                top_k, cfg)
                 g_h, g_context, g_codebook = torch.autograd.grad(num, leaves)
                 grads[0][rows], grads[1][rows] = g_h, g_context
                 grads[2].add_(g_codebook)
@@ -210,15 +211,16 @@ def selector_loss(selector: CandidateSelector, draft_hidden: torch.Tensor, block
     if cfg.chunk_slots == 0:
         with torch.no_grad():
             logits = head(h)
-        numerator, correct, contains = _selector_pieces(h, ctx_, codebook, head.weight, logits, lab, ok, top_k, cfg)
+        numerator, correct, contains = _selector_pieces(h, ctx_, codebook, head.weight, logits, lab, ok,
+                                                        top_k, cfg)
     else:
         chunk = max(1, cfg.chunk_slots // K)
         if torch.is_grad_enabled() and (h.requires_grad or ctx_.requires_grad):
-            numerator, correct, contains = ChunkedSelectorLoss.apply(h, ctx_, codebook, head, lab, ok, top_k, cfg,
-                                                                     chunk)
+            numerator, correct, contains = ChunkedSelectorLoss.apply(h, ctx_, codebook, head, lab, ok, top_k,
+                                                                     cfg, chunk)
         else:
-            numerator, correct, contains = _chunked_selector(h, ctx_, codebook, head, lab, ok, top_k, cfg, chunk,
-                                                             None)
+            numerator, correct, contains = _chunked_selector(h, ctx_, codebook, head, lab, ok, top_k, cfg,
+                                                             chunk, None)
     return numerator / normalizer, correct.view(b, A, K), contains.view(b, A, K)
 
 
@@ -282,7 +284,8 @@ class SelectorScorer:
         n = min(K, candidates.shape[1])
         ids = candidates[:, None, :].expand_as(order).gather(-1, order)
         logp_rows, ids_rows = logp[..., :n].double().tolist(), ids[..., :n].tolist()
-        row_of = [{tok: p for p, tok in enumerate(row)} for row in candidates.tolist()]  # depth d -> token -> p
+        # depth d -> token -> p
+        row_of = [{tok: p for p, tok in enumerate(row)} for row in candidates.tolist()]
 
         def expand(token, carry, depth):
             p = 0 if depth == 0 else row_of[depth - 1][token]

@@ -36,7 +36,8 @@ class MarkovHead(nn.Module):
     def __init__(self, vocab_size: int, rank: int, hidden_size: int, head_type: str):
         super().__init__()
         if rank <= 0 or head_type not in HEAD_TYPES:
-            raise ValueError(f"MarkovHead needs rank > 0 and a type in {HEAD_TYPES}, got {rank}, {head_type!r}")
+            raise ValueError(f"MarkovHead needs rank > 0 and a type in {HEAD_TYPES}, got {rank}, "
+                             f"{head_type!r}")
         self.head_type, self.rank = head_type, rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
         self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
@@ -98,12 +99,14 @@ def dspark_heads(config) -> tuple[MarkovHead | None, ConfidenceHead | None]:
     """The heads a DSpark DrafterConfig asks for (either may be None)."""
     markov = None
     if config.markov_rank > 0:
-        markov = MarkovHead(config.vocab_size, config.markov_rank, config.hidden_size, config.markov_head_type)
+        markov = MarkovHead(config.vocab_size, config.markov_rank, config.hidden_size,
+                            config.markov_head_type)
     if config.confidence_head_with_markov and markov is None:
         raise ValueError("confidence_head_with_markov needs markov_rank > 0")
     confidence = None
     if config.confidence_head:
-        confidence = ConfidenceHead(config.hidden_size, config.markov_rank if config.confidence_head_with_markov else 0)
+        confidence = ConfidenceHead(config.hidden_size,
+                                    config.markov_rank if config.confidence_head_with_markov else 0)
     return markov, confidence
 
 
@@ -294,7 +297,8 @@ def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weight
                     normalizer) -> torch.Tensor:
     """BCE of the confidence head toward the detached acceptance rate, slot-weighted and
     normalised like the main loss. confidence_logits, alpha, weights [b, A, K]."""
-    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), alpha.detach().float(), reduction="none")
+    bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), alpha.detach().float(),
+                                             reduction="none")
     return (bce * weights).sum() / normalizer
 
 

@@ -259,12 +259,7 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
     if resume:
         check_resumable(resume, drafter)
     check_heads_engine(cfg.model.variant, engine, accelerator)
-    drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
-    if cfg.train.attention == "flex" and accelerator.device.type != "cuda":
-        raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto "
-                        "or sdpa")
-    drafter.flex_attention = cfg.train.attention == "flex" or (cfg.train.attention == "auto"
-                                                               and accelerator.device.type == "cuda")
+    set_attention(drafter, cfg, accelerator.device)
     dcfg = drafter.config
     layer_ids, B, mask_id = dcfg.target_layer_ids, dcfg.block_size, dcfg.mask_token_id
     train_dl, sampler, val_ds, collate_fn, cache = setup_data(cfg, target, layer_ids, accelerator)
@@ -297,6 +292,16 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
                val_ds=val_ds, collate_fn=collate_fn, cache=cache, layer_ids=layer_ids, B=B, mask_id=mask_id,
                shared_w1=shared_w1, start_step=start_step, tokens=tokens, train_time=train_time,
                resume=resume)
+
+
+def set_attention(drafter, cfg: RunConfig, device: torch.device) -> None:
+    """Gradient checkpointing and the attention kernel the recipe asks for (flex only on CUDA)."""
+    drafter.gradient_checkpointing = cfg.train.gradient_checkpointing
+    if cfg.train.attention == "flex" and device.type != "cuda":
+        raise UserError("train.attention=flex needs CUDA (flex attention has no backward on CPU); use auto "
+                        "or sdpa")
+    drafter.flex_attention = cfg.train.attention == "flex" or (cfg.train.attention == "auto"
+                                                               and device.type == "cuda")
 
 
 def setup_data(cfg: RunConfig, target, layer_ids: list[int], accelerator):

@@ -127,8 +127,8 @@ def input_kind(source: str) -> str:
         if path.stat().st_size == 0:
             raise UserError(f"input file '{source}' is empty")
         return "parquet" if path.suffix == ".parquet" else "json"
-    if path.suffix in (".jsonl", ".json",
-                       ".parquet") or source.startswith((".", "/", "~")) or source.count("/") != 1:
+    if (path.suffix in (".jsonl", ".json", ".parquet") or source.startswith((".", "/", "~"))
+            or source.count("/") != 1):
         raise UserError(f"input file '{source}' not found")
     return "hub"
 

@@ -33,6 +33,8 @@ from dflash_train.evaluation.report import write_report
 from dflash_train.evaluation.suites import DEFAULT_SUITE, load_suite
 from dflash_train.evaluation.summary import build_report, hardware_record, scorer_key
 from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_order, warm_up
+from dflash_train.model.cpu_linear import CHOICES as CPU_LINEAR_CHOICES
+from dflash_train.model.cpu_linear import use_stream_linear
 from dflash_train.model.target import check_positions, config_positions, load_target, target_dtype
 from dflash_train.training.config import MAX_TREE_BUDGET
 
@@ -122,6 +124,9 @@ def parse_args(argv):
                         "CPU with AVX-512 BF16 verifies ~1.7x faster, but a tree's verify forward rounds "
                         "differently from AR's, so at temperature 0 outputs can part at near-ties: lossless "
                         "is exact in fp32")
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
+                   help="fp32 on a CPU: stream = the weight-streaming linear (a few-token verify costs about "
+                        "one token; needs cc and AVX2), torch = torch's GEMM, auto = stream where it builds")
     p.add_argument("--verify-times", default=None,
                    help="costs JSON from benchmarks/gpu_costs.py: also predict speedups on that device")
     p.add_argument("--trust-remote-code", action="store_true")
@@ -142,6 +147,23 @@ def parse_args(argv):
     args.concurrency = parse_concurrency(args.concurrency)
     args.device = resolve_device(args.device)
     return args
+
+
+def choose_cpu_linear(choice: str, target, drafter, device: torch.device, dtype: torch.dtype) -> str:
+    """Switch target and drafter to the streaming linear where asked and possible. -> the one in use."""
+    if choice == "torch" or device.type != "cpu" or dtype != torch.float32:
+        if choice == "stream":
+            raise UserError(f"--cpu-linear stream runs fp32 on a CPU only (here: {device.type}, "
+                            f"{str(dtype).removeprefix('torch.')}); use --cpu-linear auto or torch")
+        return "torch"
+    switched, why = use_stream_linear(target.model)
+    if why is not None:
+        if choice == "stream":
+            raise UserError(f"--cpu-linear stream: {why}; use --cpu-linear torch")
+        print(f"dflash-eval: torch's linear kept ({why})", file=sys.stderr)
+        return "torch"
+    use_stream_linear(drafter)
+    return "stream"
 
 
 @cli_guard
@@ -177,6 +199,7 @@ def run(args, argv) -> None:
     check_positions(args.max_new_tokens, "--max-new-tokens", positions, target_id)
     check_prompts_fit(suites, target.tokenizer, positions, target_id)
     drafter.to(device=device, dtype=dtype).eval()
+    cpu_linear = choose_cpu_linear(args.cpu_linear, target, drafter, device, dtype)
     stops = stop_token_ids(target.model, target.tokenizer)
     B = drafter.config.block_size
 
@@ -198,7 +221,8 @@ def run(args, argv) -> None:
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
                    "target_layer_ids": drafter.config.target_layer_ids,
-                   "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch.")},
+                   "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch."),
+                                                          "cpu_linear": cpu_linear},
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
                    "markov_head_type": drafter.config.markov_head_type,
                    "selector_rank": drafter.config.selector_rank,

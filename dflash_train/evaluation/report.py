@@ -159,7 +159,9 @@ def _header(report: dict) -> list[str]:
              f"{report['max_new_tokens']} new tokens per turn, {report['repeats']} repeat(s) of the sweep.",
              f"Hardware: {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
              + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "")
-             + (f"; weights in {hw['dtype']}" if hw.get("dtype") else "") + ".", ""]
+             + (f"; weights in {hw['dtype']}" if hw.get("dtype") else "")
+             + (f", {hw['cpu_threads']} thread(s), the streaming CPU linear (dflash_train/model/cpu_linear.py)"
+                if hw.get("cpu_linear") == "stream" else "") + ".", ""]
     trained = report.get("trained_for") or {}
     if trained.get("deploy_budget") or trained.get("tree_distill"):
         lines[-1:-1] = ["Drafter trained" + (f" and chosen for DDTree budget {trained['deploy_budget']}"

@@ -16,6 +16,7 @@ from dflash_train.evaluation import speed
 from dflash_train.evaluation.speed import verdict_text
 from dflash_train.evaluation.summary import device_costs_model, predictions, summarize
 from dflash_train.evaluation.sweep import Sample, sweep_order
+from dflash_train.model.cpu_linear import kernel
 
 
 
@@ -65,6 +66,8 @@ def test_report_results(report):
     assert by[("mt-bench", "ar", 0)]["prompts"] == 1 and by[("mt-bench", "ar", 0)]["rounds"] > 2 * 10  # 2 turns x 2
     hw = rep["hardware"]
     assert hw["device_type"] == "cpu" and hw["torch"] and hw["device"]
+    # fp32 on a CPU verifies through the streaming linear wherever it builds (auto)
+    assert hw["cpu_linear"] == ("stream" if kernel()[0] is not None else "torch")
     costs = rep["costs"]
     # timed up to the first width covering the widest prediction (4 requests x DDTree@64 = 260): 512
     assert list(costs["verify_ms_by_width"]) == [str(2**k) for k in range(10)] and costs["context"] > 0
@@ -202,6 +205,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
         (["--drafter", str(trained_drafter_dir), "--budgets", "4,x", "--output", str(tmp_path / "o4")],
          "--budgets must be"),
         (["--drafter", str(trained_drafter_dir), "--output", str(busy)], "is not empty"),
+        (["--drafter", str(trained_drafter_dir), "--target-dtype", "bf16", "--cpu-linear", "stream",
+          "--output", str(tmp_path / "o5")], "--cpu-linear stream runs fp32 on a CPU only"),
     ]
     for i, (args, message) in enumerate(cases):
         # the first case through the real command line, the rest in-process (the same code under cli_guard)
@@ -214,7 +219,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
         lines = [ln for ln in stderr.strip().splitlines() if ln.startswith("error:")]
         assert len(lines) == 1 and message in lines[0], stderr[-2000:]
         assert "Traceback" not in stderr
-    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
     assert (busy / "x").read_text() == "keep"
 
 
@@ -273,6 +278,7 @@ def test_target_dtype_bf16_decodes_and_is_recorded(trained_drafter_dir, tmp_path
         runs[dtype] = json.loads((out / "report.json").read_text())
     assert runs["bf16"]["hardware"]["dtype"] == "bfloat16"
     assert runs["auto"]["hardware"]["dtype"] == "float32"
+    assert runs["bf16"]["hardware"]["cpu_linear"] == "torch"  # the streaming linear is fp32 only
     assert "weights in bfloat16" in (tmp_path / "bf16" / "report.md").read_text()
     for rep in runs.values():
         assert {r["method"] for r in rep["results"]} == {"ar", "dflash", "ddtree"}

@@ -29,8 +29,9 @@ from torch import nn
 
 SOURCE = Path(__file__).with_name("cpu_linear.c")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
-# Above this many rows torch's GEMM is as fast (prefill, training): benchmarks/results/cpu_linear.json
-MAX_ROWS = 64
+# Above this many rows torch's GEMM is as fast or faster (32 rows: 0.98x of its time, 64: 1.10x; prefill,
+# training): benchmarks/results/cpu_linear.json
+MAX_ROWS = 32
 CHOICES = ("auto", "stream", "torch")  # dflash-eval --cpu-linear
 
 _kernel: tuple[ctypes.CDLL | None, str | None] | None = None

@@ -65,10 +65,12 @@ def main() -> None:
                "draft_ms": statistics.median(v["draft"])} for k, v in ms.items()}
     for k in med:
         one = med[k]["verify_ms_by_width"][1]
-        med[k]["verify_x_width_1"] = {w: round(t / one, 3) for w, t in med[k]["verify_ms_by_width"].items()}
-    med["stream_over_torch"] = {w: round(med["stream"]["verify_ms_by_width"][w] / med["torch"]["verify_ms_by_width"][w], 3)
-                                for w in WIDTHS}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        med[k]["verify_x_width_1"] = {w: round(t / one, 3)
+                                      for w, t in med[k]["verify_ms_by_width"].items()}
+    verify = {k: med[k]["verify_ms_by_width"] for k in ("torch", "stream")}
+    med["stream_over_torch"] = {w: round(verify["stream"][w] / verify["torch"][w], 3) for w in WIDTHS}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     out = {"command": "python " + " ".join(sys.argv), "commit": commit,
            "machine": hardware_record(torch.device("cpu")), "target": args.target, "drafter": args.drafter,
            "context": args.context, "rounds": args.rounds, "results": med, "raw_ms": ms}

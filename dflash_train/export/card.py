@@ -70,6 +70,8 @@ def validated_on_section(reports: list[dict]) -> str:
         line = f"- {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
         if hw.get("cuda"):
             line += f", CUDA {hw['cuda']}, driver {hw.get('driver')}"
+        if hw.get("cpu_linear") == "stream":  # its speedups hold for that verify, not torch's GEMM
+            line += ", fp32 through dflash-eval's streaming CPU linear"
         seen.setdefault(line, hw["device_type"])
     text = "\n".join(seen)
     if "cuda" not in seen.values():

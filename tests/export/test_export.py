@@ -156,15 +156,20 @@ def test_model_card(exports, fingerprint):
 
 def test_card_lists_gpu_hardware_exactly(trained_drafter_dir, fingerprint, tmp_path):
     reports = []
-    for i, (kind, name) in enumerate([("cuda", "NVIDIA H200"), ("cpu", "Some CPU")]):
+    for i, (kind, name) in enumerate([("cuda", "NVIDIA H200"), ("cpu", "Some CPU"), ("cpu", "Some CPU")]):
         reports.append(tmp_path / f"r{i}.json")
-        reports[-1].write_text(json.dumps(fake_report(fingerprint, kind, name)))
+        rep = fake_report(fingerprint, kind, name)
+        if i == 2:  # measured through the streaming CPU linear: the card says so
+            rep["hardware"]["cpu_linear"] = "stream"
+        reports[-1].write_text(json.dumps(rep))
     main(["--format", "dflash", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "o"),
-          "--eval-report", str(reports[0]), "--eval-report", str(reports[1])])
+          *[a for r in reports for a in ("--eval-report", str(r))]])
     text = (tmp_path / "o" / "README.md").read_text()
     section = text.split("## Validated on")[1].split("##")[0]
     assert section.strip().splitlines() == ["- NVIDIA H200 (cuda), torch 2.x, CUDA 12.8, driver 570.1",
-                                            "- Some CPU (cpu), torch 2.x"]
+                                            "- Some CPU (cpu), torch 2.x",
+                                            "- Some CPU (cpu), torch 2.x, fp32 through dflash-eval's streaming CPU "
+                                            "linear"]
     assert "--speculative-config" in text and '"num_speculative_tokens": 7' in text
 
 

@@ -156,7 +156,7 @@ def choose_cpu_linear(choice: str, target, drafter, device: torch.device, dtype:
             raise UserError(f"--cpu-linear stream runs fp32 on a CPU only (here: {device.type}, "
                             f"{str(dtype).removeprefix('torch.')}); use --cpu-linear auto or torch")
         return "torch"
-    switched, why = use_stream_linear(target.model)
+    _, why = use_stream_linear(target.model)
     if why is not None:
         if choice == "stream":
             raise UserError(f"--cpu-linear stream: {why}; use --cpu-linear torch")

@@ -32,7 +32,7 @@ WIDTHS = [1, 2, 4, 5, 8, 9, 16, 17, 32, 64]
 def switch(kind: str, target, drafter) -> None:
     if kind == "stream":
         for m in (target.model, drafter):
-            n, why = use_stream_linear(m)
+            _, why = use_stream_linear(m)
             if why is not None:
                 sys.exit(f"error: the streaming linear cannot run here: {why}")
     else:

@@ -9,7 +9,7 @@ stays in L2 for the next 12), and each output is the same sum in the same order 
 count: a token's logits do not depend on how many tokens were verified beside it.
 
     from dflash_train.model.cpu_linear import use_stream_linear
-    n = use_stream_linear(target.model)  # -> linears switched (0 and a reason when it cannot run)
+    n, why = use_stream_linear(target.model)  # linears switched; (0, the reason) where it cannot run
 
 Plain decoding goes through the same linears, so speedups compare like with like. Built at first use
 with the system C compiler (cc) into ~/.cache/dflash-train/, keyed by the source's hash; without a
@@ -104,12 +104,14 @@ class StreamLinear(nn.Linear):
 
 
 def eligible(module: nn.Module) -> bool:
+    # a contiguous weight: stream_linear would otherwise copy it on every call
     return (type(module) is nn.Linear and module.weight.dtype == torch.float32
-            and module.weight.device.type == "cpu" and module.in_features % 8 == 0)
+            and module.weight.device.type == "cpu" and module.weight.is_contiguous()
+            and module.in_features % 8 == 0)
 
 
 def use_stream_linear(model: nn.Module) -> tuple[int, str | None]:
-    """Switch every fp32 CPU nn.Linear of `model` (in_features % 8 == 0) to StreamLinear.
+    """Switch every fp32 CPU nn.Linear of `model` (contiguous weight, in_features % 8 == 0) to StreamLinear.
     -> (how many were switched, why none could be: None when the kernel runs here)."""
     dll, why = kernel()
     if dll is None:

@@ -69,12 +69,14 @@ def test_module_uses_torch_under_autograd_and_for_many_rows():
 
 
 def test_only_fp32_cpu_linears_with_whole_vectors_switch():
-    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(12, 8), nn.Linear(64, 8).to(torch.bfloat16))
+    strided = nn.Linear(64, 8)
+    strided.weight = nn.Parameter(torch.randn(64, 8).T)  # [8, 64] but not contiguous: would be copied per call
+    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(12, 8), nn.Linear(64, 8).to(torch.bfloat16), strided)
     n, why = use_stream_linear(model)
     if why is not None:
         assert n == 0
         return
-    assert n == 1 and [type(m) for m in model] == [StreamLinear, nn.Linear, nn.Linear]
+    assert n == 1 and [type(m) for m in model] == [StreamLinear, nn.Linear, nn.Linear, nn.Linear]
 
 
 @needs_kernel

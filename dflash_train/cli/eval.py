@@ -35,6 +35,7 @@ from dflash_train.evaluation.summary import build_report, hardware_record, score
 from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_order, warm_up
 from dflash_train.model.cpu_linear import CHOICES as CPU_LINEAR_CHOICES
 from dflash_train.model.cpu_linear import use_stream_linear
+from dflash_train.model.gqa_attention import use_gqa_sdpa
 from dflash_train.model.target import check_positions, config_positions, load_target, target_dtype
 from dflash_train.training.config import MAX_TREE_BUDGET
 
@@ -200,6 +201,8 @@ def run(args, argv) -> None:
     check_prompts_fit(suites, target.tokenizer, positions, target_id)
     drafter.to(device=device, dtype=dtype).eval()
     cpu_linear = choose_cpu_linear(args.cpu_linear, target, drafter, device, dtype)
+    if device.type == "cpu":  # the same bits without copying K/V heads per layer (CUDA: sdpa's own choice)
+        use_gqa_sdpa(target.model)
     stops = stop_token_ids(target.model, target.tokenizer)
     B = drafter.config.block_size
 
@@ -222,7 +225,8 @@ def run(args, argv) -> None:
                    "target_revision": target.revision, "block_size": B,
                    "target_layer_ids": drafter.config.target_layer_ids,
                    "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch."),
-                                                          "cpu_linear": cpu_linear},
+                                                          "cpu_linear": cpu_linear,
+                                                          "attention": target.model.config._attn_implementation},
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
                    "markov_head_type": drafter.config.markov_head_type,
                    "selector_rank": drafter.config.selector_rank,

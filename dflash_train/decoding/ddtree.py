@@ -132,10 +132,14 @@ def root_only_tree() -> DraftTree:
                      log_probs=torch.zeros(0), children=[{}], ranks=[], best_child=[-1])
 
 
-def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None) -> DraftTree:
+def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None,
+               token_ids: torch.Tensor | None = None) -> DraftTree:
     """draft_logits [L, V] (any float dtype and device; row d-1 is depth d) -> the best
     DDTree of `budget` non-root nodes (fewer if there are fewer than `budget` prefixes; a token
     whose logit is -inf, outside a draft vocabulary, is never a node).
+
+    token_ids [V] long: the token id of each column (a draft vocabulary's kept target ids, so
+    logits [L, N] in draft space give a tree of target ids); None: column j is token j.
 
     scorer None: DDTree from the per-depth marginals (a node's children are the top-K of its
     depth's distribution, whoever the parent is). A conditional scorer (dspark.MarkovScorer,
@@ -144,6 +148,9 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None) -> DraftTre
     conditions. Returned tensors are on CPU."""
     if draft_logits.dim() != 2:
         raise ValueError(f"draft_logits must be [L, V], got shape {tuple(draft_logits.shape)}")
+    if token_ids is not None and (scorer is not None or token_ids.shape != draft_logits.shape[1:]):
+        raise ValueError(f"token_ids {tuple(token_ids.shape)} must name each of the {draft_logits.shape[1]} "
+                         "columns of draft_logits, and only marginal trees take them")
     if budget <= 0:
         return root_only_tree()
     L, V = draft_logits.shape
@@ -151,6 +158,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None) -> DraftTre
     K = min(budget, V, max(1, int(torch.isfinite(draft_logits).sum(-1).min())))
     if scorer is None:
         logp, ids = top_k_log_probs(draft_logits, K)  # [L, K], [L, K]
+        if token_ids is not None:
+            ids = token_ids[ids]  # columns -> token ids
         # One device-to-host copy: ids ride along as float64 (exact below 2**53) and only
         # the popped ones are turned back into ints, so Python touches O(budget) entries.
         logp_rows, ids_rows = torch.stack([logp.double(), ids.double()]).tolist()

@@ -130,14 +130,15 @@ def _sync(device: torch.device) -> None:
 
 def draft_batch(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: torch.Tensor,
                 start: int) -> torch.Tensor:
-    """proposers.draft_block for `c` requests at once: bonus [c] -> draft logits [c, B-1, V].
+    """A decoding round's drafter pass for `c` requests at once: bonus [c] -> draft logits [c, B-1, N], over
+    the draft vocabulary when the drafter has one (as proposers.BlockProposer drafts; N = V otherwise).
     ctx holds c contexts of equal length (positions start..start+B-1 for every request)."""
     B, device = drafter.config.block_size, bonus.device
     block = torch.full((bonus.shape[0], B), drafter.config.mask_token_id, device=device)
     block[:, 0] = bonus
     positions = torch.arange(start, start + B, device=device).expand(bonus.shape[0], B)
     hidden = drafter.forward_cached(target.embed(block), positions, ctx)  # [c, B, H]
-    return drafter.full_logits(hidden[:, 1:], target.lm_head)
+    return drafter.logits_head(target.lm_head)(hidden[:, 1:])
 
 
 def widths_for(widest: int) -> tuple[list[int], list[int]]:

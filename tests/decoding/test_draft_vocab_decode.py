@@ -95,8 +95,8 @@ def test_a_budget_above_the_kept_prefixes_adds_only_minus_inf_nodes(tiny_target,
 
 @torch.no_grad()
 def test_the_cost_models_draft_batch_drafts_in_the_vocabulary_as_decoding_does(tiny_target, drafter):
-    """evaluation/costs.draft_batch (c requests at once) gives proposers.draft_block's logits per request:
-    the draft head's, -inf outside the draft vocabulary."""
+    """evaluation/costs.draft_batch (c requests at once) gives, per request, proposers.draft_block's logits
+    on the kept ids (draft space, as decoding drafts): the columns full_logits scatters."""
     from dflash_train.evaluation.costs import draft_batch
     from dflash_train.model.drafter import ContextCache
     from dflash_train.model.target import target_forward
@@ -108,9 +108,28 @@ def test_the_cost_models_draft_batch_drafts_in_the_vocabulary_as_decoding_does(t
     drafter.extend_context(one, taps, torch.arange(P)[None])
     drafter.extend_context(three, taps.expand(3, -1, -1), torch.arange(P).expand(3, P))
     bonus = int(ids[0, -1])
-    single = proposers.draft_block(drafter, tiny_target, one, bonus, P)
+    single = proposers.draft_block(drafter, tiny_target, one, bonus, P)  # [B-1, V], -inf outside
     batch = draft_batch(drafter, tiny_target, three, torch.full((3,), bonus), P)
-    assert batch.shape == (3, drafter.config.block_size - 1, drafter.config.vocab_size)
+    assert batch.shape == (3, drafter.config.block_size - 1, drafter.config.draft_vocab_size)
     for row in batch:
-        torch.testing.assert_close(row, single, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(row, single[:, drafter.draft_vocab.kept], rtol=1e-5, atol=1e-5)
     assert bool(torch.isneginf(single[:, ~drafter.t2d]).all()) and bool(torch.isfinite(single[:, drafter.t2d]).all())
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("budget", [1, 3, 8, 64, 300])
+def test_a_tree_built_in_draft_space_is_the_tree_of_the_scattered_logits(tiny_target, drafter, budget):
+    """What decoding now does (logits [L, N], ids mapped through the kept ids) against what it did (logits
+    scattered into [L, V] with -inf): the same nodes, parents, ranks and scores."""
+    torch.manual_seed(budget)
+    hidden = torch.randn(drafter.config.block_size - 1, drafter.config.hidden_size)
+    draft = drafter.logits_head(tiny_target.lm_head)(hidden)
+    kept = drafter.draft_vocab.kept
+    ours = build_tree(draft, budget, token_ids=kept)
+    ref = build_tree(drafter.full_logits(hidden, tiny_target.lm_head), budget)
+    assert ours.tokens.tolist() == ref.tokens.tolist() and ours.parents.tolist() == ref.parents.tolist()
+    assert ours.ranks == ref.ranks and ours.best_child == ref.best_child and ours.children == ref.children
+    torch.testing.assert_close(ours.log_probs, ref.log_probs, rtol=0, atol=1e-5)
+    assert bool(drafter.t2d[ours.tokens].all())
+    with pytest.raises(ValueError, match="token_ids"):
+        build_tree(draft, budget, token_ids=kept[:-1])

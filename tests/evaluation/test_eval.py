@@ -68,6 +68,7 @@ def test_report_results(report):
     assert hw["device_type"] == "cpu" and hw["torch"] and hw["device"]
     # fp32 on a CPU verifies through the streaming linear wherever it builds (auto)
     assert hw["cpu_linear"] == ("stream" if kernel()[0] is not None else "torch")
+    assert hw["attention"] == "sdpa_shared_kv"  # GQA heads shared, not copied, on a CPU (model/gqa_attention)
     costs = rep["costs"]
     # timed up to the first width covering the widest prediction (4 requests x DDTree@64 = 260): 512
     assert list(costs["verify_ms_by_width"]) == [str(2**k) for k in range(10)] and costs["context"] > 0

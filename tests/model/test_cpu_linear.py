@@ -68,6 +68,45 @@ def test_module_uses_torch_under_autograd_and_for_many_rows():
     assert list(lin.state_dict()) == ["weight", "bias"]
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 12, 13, MAX_ROWS])
+def test_bf16_weights_stream_the_same_bits_as_their_fp32_values(rows):
+    """Weights stored as bf16 and widened in registers: exactly the fp32 kernel on the same values."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 136, generator=g)
+    w16 = torch.randn(70, 136, generator=g).bfloat16()
+    b = torch.randn(70, generator=g)
+    assert torch.equal(stream_linear(x, w16, b), stream_linear(x, w16.float(), b))
+    torch.testing.assert_close(stream_linear(x, w16), (x.double() @ w16.double().T).float(), rtol=1e-5, atol=1e-3)
+
+
+@needs_kernel
+def test_a_linear_keeps_a_bf16_copy_only_when_it_loses_nothing_and_drops_it_when_the_weight_changes():
+    exact, inexact = nn.Linear(64, 16), nn.Linear(64, 16)
+    with torch.no_grad():
+        exact.weight.copy_(exact.weight.bfloat16().float())  # bf16 values held in fp32 (a bf16 export)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        want_exact, want_inexact = stream_linear(x, exact.weight, exact.bias), stream_linear(x, inexact.weight,
+                                                                                          inexact.bias)
+    use_stream_linear(exact), use_stream_linear(inexact)
+    assert exact.weight_bf16 is not None and exact.weight_bf16.dtype == torch.bfloat16
+    assert inexact.weight_bf16 is None  # rounding would change the model: fp32 stays
+    assert list(exact.state_dict()) == ["weight", "bias"]  # the copy is not part of the model
+    calls = []
+    real = cpu_linear.stream_linear
+    with torch.no_grad():
+        cpu_linear.stream_linear = lambda x, w, b=None: calls.append(w.dtype) or real(x, w, b)
+        try:
+            assert torch.equal(exact(x), want_exact) and torch.equal(inexact(x), want_inexact)
+            exact.weight.mul_(2)  # changed in place (load_state_dict, a training step): the copy is stale
+            assert torch.equal(exact(x), real(x, exact.weight, exact.bias))
+        finally:
+            cpu_linear.stream_linear = real
+    assert calls == [torch.bfloat16, torch.float32, torch.float32]
+    assert use_torch_linear(exact) == 1 and "weight_bf16" not in exact.__dict__
+
+
 def test_only_fp32_cpu_linears_with_whole_vectors_switch():
     strided = nn.Linear(64, 8)
     strided.weight = nn.Parameter(torch.randn(64, 8).T)  # [8, 64] but not contiguous: would be copied per call

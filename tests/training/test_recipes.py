@@ -139,3 +139,23 @@ def test_smollm2_recipes(variant):
     assert m.variant == (variant[1:] or "dflash")
     assert (cfg.max_steps, cfg.train, cfg.data, cfg.loss.terms, m.block_size) == \
         (base.max_steps, base.train, base.data, base.loss.terms, base.model.block_size)
+
+
+def test_the_continue_recipe_trains_on_from_the_committed_drafter_with_its_shape():
+    """recipes/smollm2-135m-continue.yaml starts from checkpoints/smollm2-135m-dflash (model.init_from):
+    its model section must describe that drafter (init_drafter refuses any other shape), on the first
+    version's held-out rows, with the first recipe's objective."""
+    base = load_recipe(ROOT / "recipes" / "smollm2-135m.yaml")
+    cfg = load_recipe(ROOT / "recipes" / "smollm2-135m-continue.yaml")
+    folder = ROOT / "checkpoints" / "smollm2-135m-dflash"
+    assert (ROOT / cfg.model.init_from).resolve() == folder.resolve()
+    trained = json.loads((folder / "config.json").read_text())
+    m = cfg.model
+    assert m.num_layers == trained["transformer_layer_config"]["num_hidden_layers"]
+    assert (m.block_size, m.draft_vocab_size) == (trained["block_size"], trained["draft_vocab_size"])
+    assert [i + 1 for i in m.target_layer_ids] == trained["aux_hidden_state_layer_ids"]
+    assert (m.target_layer_ids, m.mask_token, m.block_size) == (base.model.target_layer_ids, base.model.mask_token,
+                                                                 base.model.block_size)
+    assert cfg.data.val == base.data.val and cfg.data.train != base.data.train
+    assert (cfg.loss, cfg.data.max_length, cfg.data.num_anchors) == (base.loss, base.data.max_length,
+                                                                     base.data.num_anchors)

@@ -106,16 +106,17 @@ def test_selector_tree_is_what_decoding_verifies(tiny_target, drafter, monkeypat
 
     seen = []
     real = proposers.build_tree
-    monkeypatch.setattr(proposers, "build_tree", lambda logits, budget, scorer=None: seen.append(
-        (logits.clone(), scorer)) or real(logits, budget, scorer))
+    monkeypatch.setattr(proposers, "build_tree", lambda logits, budget, scorer=None, token_ids=None: seen.append(
+        (logits.clone(), scorer, token_ids)) or real(logits, budget, scorer, token_ids))
     stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
     ids = chat_prompt(tiny_target.tokenizer, QUESTIONS[0])
     for scores in ("conditional", "marginal"):
         seen.clear()
         decode(tiny_target, drafter, ids, "ddtree", 32, max_new_tokens=24, stop_ids=stops, tree_scores=scores)
-        assert seen and all((scorer is None) == (scores == "marginal") for _, scorer in seen)
+        assert seen and all((scorer is None) == (scores == "marginal") for _, scorer, _ in seen)
+        assert all(ids is None for _, _, ids in seen)  # DFlash2 drafts over the full vocabulary
         if scores == "conditional":
-            logits, scorer = seen[0]
+            logits, scorer, _ = seen[0]
             assert isinstance(scorer, dflash2.SelectorScorer) and scorer.selector is drafter.candidate_selector
             ours, plain = build_tree(logits, 32, scorer), build_tree(logits, 32)
             assert ours.tokens.tolist() != plain.tokens.tolist()  # the selector changes the tree

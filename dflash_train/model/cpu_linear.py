@@ -13,7 +13,8 @@ count: a token's logits do not depend on how many tokens were verified beside it
 
 A linear whose fp32 weights are all bf16 values (a drafter exported in bf16, its frozen head too) keeps a
 bf16 copy and streams that: half the bytes, widened to fp32 in registers, so the same products and sums
-bit for bit (SmolLM2's drafter pass 8.8 -> 7.3 ms: benchmarks/results/round_overheads.json). The copy is dropped if the weight changes in place.
+bit for bit (SmolLM2's drafter pass 8.8 -> 7.3 ms: benchmarks/results/round_overheads.json). The copy is
+dropped if the weight changes in place.
 
 Plain decoding goes through the same linears, so speedups compare like with like. Built at first use
 with the system C compiler (cc) into ~/.cache/dflash-train/, keyed by the source's hash; without a

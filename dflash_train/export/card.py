@@ -166,7 +166,10 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
     m, d, t, loss, chosen = r["model"], r["data"], r["train"], r["loss"], choice_text(r, choice, distilled)
     return "\n".join([
         f"Trained with dflash-train against `{m['target']}` for **{r['max_steps']} steps** "
-        f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
+        # a run from model.init_from adds its steps to that drafter's own: say so, or the count misleads
+        + (f"on from the drafter `{m['init_from']}` (model.init_from: these steps come on top of its own) "
+           if m.get("init_from") else "")
+        + f"(batch {t['batch_size']} x {t['grad_accum']} accumulation, AdamW lr {t['lr']}, cosine with "
         f"{t['warmup_ratio']} warmup, clip {t['clip_grad']}), {d['num_anchors']} anchors per sequence, "
         f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} "
         f"slot weights{' and accept-until-fail' if loss['until_first_failure'] else ''}"

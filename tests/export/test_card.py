@@ -71,3 +71,14 @@ def test_export_states_the_runs_count(tmp_path, fresh_drafter_dir):
     export_main(["--format", "speculators", "--checkpoint", str(tmp_path / "final"), "--output", str(tmp_path / "re")])
     card = (tmp_path / "re" / "README.md").read_text()
     assert "Trained for its tree" not in card and "is not claimed as trained for its tree" in card
+
+
+def test_a_run_from_another_drafter_says_its_steps_come_on_top():
+    """A recipe with model.init_from trains on from another drafter: its max_steps are not the drafter's
+    whole training, and the card must not read as if they were."""
+    plain = training_section(dump_recipe(load_recipe(None, ["max_steps=4"])), "dflash-train").splitlines()[0]
+    assert "**4 steps** (batch" in plain and "init_from" not in plain  # the first line; the recipe follows
+    on = training_section(dump_recipe(load_recipe(None, ["max_steps=4", "model.init_from=runs/first/final"])),
+                          "dflash-train")
+    assert ("**4 steps** on from the drafter `runs/first/final` (model.init_from: these steps come on top of its "
+            "own) (batch") in on

@@ -260,7 +260,7 @@ def main(argv=None):
         taps = taps_from_hidden_states(out.hidden_states, layer_ids)  # [1, context, n*H]
         drafter.extend_context(ctx, taps,
                                torch.arange(start, device=device)[None])
-        draft_logits = draft_block(drafter, target, ctx, bonus, start)  # [L, V]
+        _, draft_logits = draft_block(drafter, target, ctx, bonus, start)  # [L, V]: this drafter drafts in the full vocabulary
         if not torch.isfinite(draft_logits).all():
             raise SystemExit("drafter logits are not finite: the random init is unusable in this dtype")
         del out

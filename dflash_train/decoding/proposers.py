@@ -46,9 +46,12 @@ def draft_hidden(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonu
 
 
 def draft_block(drafter: DFlashDrafter, target: Target, ctx: ContextCache, bonus: int,
-                start: int) -> torch.Tensor:
-    """The backbone's block logits [B-1, V] (slots 1..B-1; -inf outside a draft vocabulary)."""
-    return drafter.full_logits(draft_hidden(drafter, target, ctx, bonus, start)[1:], target.lm_head)
+                start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> the block's hidden states [B, H] and the backbone's logits of slots 1..B-1 [B-1, N] (DFlash2:
+    the unary logits), over the draft vocabulary (index i is target id drafter.draft_vocab.kept[i]) or,
+    without one, the full vocabulary (N = V, index == target id)."""
+    hidden = draft_hidden(drafter, target, ctx, bonus, start)
+    return hidden, drafter.logits_head(target.lm_head)(hidden[1:])
 
 
 class RootOnlyProposer:
@@ -91,10 +94,8 @@ class BlockProposer:
         self.drafter.extend_context(self.ctx, taps, torch.arange(taps.shape[1], device=self.device)[None])
 
     def draft(self, bonus: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> the block's hidden states [B, H] and the backbone's logits of slots 1..B-1 [B-1, N] (DFlash2:
-        the unary logits), over the draft vocabulary (index i is target id kept[i]) or the full one."""
-        hidden = draft_hidden(self.drafter, self.target, self.ctx, bonus, start)
-        return hidden, self.drafter.logits_head(self.target.lm_head)(hidden[1:])
+        """-> hidden [B, H], logits [B-1, N] in draft space (draft_block)."""
+        return draft_block(self.drafter, self.target, self.ctx, bonus, start)
 
     def observe(self, result, tree, accepted, posterior) -> None:
         # does the best child under each accepted node name the target's next token?

@@ -94,9 +94,10 @@ def test_a_budget_above_the_kept_prefixes_adds_only_minus_inf_nodes(tiny_target,
 
 
 @torch.no_grad()
-def test_the_cost_models_draft_batch_drafts_in_the_vocabulary_as_decoding_does(tiny_target, drafter):
-    """evaluation/costs.draft_batch (c requests at once) gives, per request, proposers.draft_block's logits
-    on the kept ids (draft space, as decoding drafts): the columns full_logits scatters."""
+def test_draft_block_and_the_cost_models_draft_batch_draft_in_the_vocabulary(tiny_target, drafter):
+    """proposers.draft_block (what decoding drafts with) and evaluation/costs.draft_batch (c requests at
+    once) give the same draft-space logits [B-1, N]: the kept columns of the scattered full-vocabulary
+    logits, every other column of which is -inf."""
     from dflash_train.evaluation.costs import draft_batch
     from dflash_train.model.drafter import ContextCache
     from dflash_train.model.target import target_forward
@@ -108,12 +109,16 @@ def test_the_cost_models_draft_batch_drafts_in_the_vocabulary_as_decoding_does(t
     drafter.extend_context(one, taps, torch.arange(P)[None])
     drafter.extend_context(three, taps.expand(3, -1, -1), torch.arange(P).expand(3, P))
     bonus = int(ids[0, -1])
-    single = proposers.draft_block(drafter, tiny_target, one, bonus, P)  # [B-1, V], -inf outside
+    hidden, single = proposers.draft_block(drafter, tiny_target, one, bonus, P)
+    B, N = drafter.config.block_size, drafter.config.draft_vocab_size
+    assert hidden.shape == (B, drafter.config.hidden_size) and single.shape == (B - 1, N)
+    scattered = drafter.full_logits(hidden[1:], tiny_target.lm_head)  # [B-1, V]
+    torch.testing.assert_close(single, scattered[:, drafter.draft_vocab.kept], rtol=0, atol=0)
+    assert bool(torch.isneginf(scattered[:, ~drafter.t2d]).all()) and bool(torch.isfinite(single).all())
     batch = draft_batch(drafter, tiny_target, three, torch.full((3,), bonus), P)
-    assert batch.shape == (3, drafter.config.block_size - 1, drafter.config.draft_vocab_size)
+    assert batch.shape == (3, B - 1, N)
     for row in batch:
-        torch.testing.assert_close(row, single[:, drafter.draft_vocab.kept], rtol=1e-5, atol=1e-5)
-    assert bool(torch.isneginf(single[:, ~drafter.t2d]).all()) and bool(torch.isfinite(single[:, drafter.t2d]).all())
+        torch.testing.assert_close(row, single, rtol=1e-5, atol=1e-5)
 
 
 @torch.no_grad()

@@ -157,7 +157,8 @@ def generate_all(engine: StaticEngine, prompts: list[list[int]], stop_ids: list[
 
     def take(i, logits, slot, P):
         if temperature > 0:
-            rngs[i] = torch.Generator().manual_seed(seed * 1_000_003 + i)
+            # regenerate's batch seeds reach 2**56: keep the product a valid (63-bit) torch seed
+            rngs[i] = torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
         t = pick(logits, temperature, top_p, rngs[i])
         finish(slot, i, [t], P)
 

@@ -47,6 +47,18 @@ def test_sampled_answers_do_not_depend_on_slots(tiny_target):
     assert other_seed != runs[0]
 
 
+def test_sampling_takes_the_seeds_regenerate_passes(tiny_target):
+    """regenerate seeds each chunk's turn with a 56-bit hash (_batch_seed): the static engine took only
+    seeds below ~2**43 (seed * 1,000,003 overflowed torch's seed) and crashed on `--temperature 1`."""
+    prompts, stops = prompts_and_stops(tiny_target)
+    seed = regen._batch_seed(0, 0, 0)
+    assert seed * 1_000_003 >= 2**63  # the case that crashed
+    s = replace(GREEDY, temperature=1.0, max_new_tokens=8)
+    got = static_generate(tiny_target, stops, s, slots=2, max_len=128)(prompts, seed)
+    again = static_generate(tiny_target, stops, s, slots=3, max_len=128)(prompts, seed)
+    assert got == again and len(got) == len(prompts) and all(g.tokens for g in got)
+
+
 def test_an_answer_that_reaches_the_cache_end_is_cut_not_overrun(tiny_target):
     prompts, stops = prompts_and_stops(tiny_target)
     longest = max(len(p) for p in prompts)

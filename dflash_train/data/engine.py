@@ -137,7 +137,12 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gene
     """Next token of one row: argmax at temperature 0, else a top-p sample at `temperature`."""
     if temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # Shifted by the row's max before dividing, and the divisor kept a nonzero float32: the same
+    # numbers wherever logits / temperature fits a float, and the argmax row (not inf - inf or
+    # 0 / 0 = nan) as temperature -> 0.
+    logits = logits.float()
+    tempered = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax(tempered, dim=-1)
     if top_p < 1.0:
         p, idx = probs.sort(descending=True)
         keep = (p.cumsum(0) - p) < top_p  # the smallest head whose mass reaches top_p

@@ -77,7 +77,12 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     """logits [n, V] -> one token per row: argmax at temperature 0, else an independent sample."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    # Shifted by the row's max before dividing, and the divisor kept a nonzero float32: the same
+    # numbers wherever logits / temperature fits a float, and the argmax row (not inf - inf or
+    # 0 / 0 = nan) as temperature -> 0.
+    logits = logits.float()
+    tempered = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
+    probs = torch.softmax(tempered, dim=-1)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 

@@ -24,11 +24,8 @@ if "DFLASH_HASH_CACHE" not in os.environ:
     _hashes = tempfile.mkdtemp(prefix="dflash-hashes-")
     atexit.register(shutil.rmtree, _hashes, ignore_errors=True)
     os.environ["DFLASH_HASH_CACHE"] = os.path.join(_hashes, "hashes.json")
-# DeepSpeed JIT-builds its CPU shm op on every launch behind torch's lock file, which has no owner: a
-# process killed mid-build leaves it behind and every later launch waits on it forever (CI inherited
-# one in ~/.cache and both DeepSpeed tests hung 600 s). Build into this checkout's ignored .cache/
-# instead (a fresh clone builds once either way: the op's sources sit in its own .venv); a stale
-# lock there (see engines.stale_build_locks) is dropped below, once torch can be imported.
+# Any torch JIT build a test causes goes into this checkout's ignored .cache/, not ~/.cache (DeepSpeed's
+# CPU shm op is no longer built by our launches: engines.skip_deepspeed_shm_op; test_engines checks).
 os.environ["TORCH_EXTENSIONS_DIR"] = str(Path(__file__).resolve().parents[1] / ".cache" / "torch_extensions")
 
 import pytest
@@ -42,10 +39,6 @@ sys.path.insert(0, str(ROOT / "data"))
 import tinychat  # noqa: E402
 
 from dflash_train.model.target import load_target  # noqa: E402
-from dflash_train.training.engines import stale_build_locks  # noqa: E402
-
-for _lock in stale_build_locks():  # older than any build: nothing still building holds it
-    _lock.unlink(missing_ok=True)
 
 
 @pytest.fixture(scope="session")

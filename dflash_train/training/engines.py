@@ -21,8 +21,6 @@ save_state / load_state), which resumes under DeepSpeed at the same process coun
 
 import contextlib
 import os
-import time
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -32,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from dflash_train.core.errors import UserError, say
+from dflash_train.core.errors import UserError
 
 ENGINES = ("single", "ddp", "fsdp", "deepspeed")
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # gathered, on rank 0's CPU
@@ -51,24 +49,21 @@ def launched_engine() -> str:
     return "ddp" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else "single"
 
 
-def stale_build_locks(max_age_s: float = 600) -> list[Path]:
-    """Lock files of DeepSpeed's JIT-built shm op older than any build (~40 s on 2 CPU cores).
-    torch's lock names no owner, so one left by a process killed mid-build makes every later
-    DeepSpeed launch wait on it forever, silently."""
-    from torch.utils.cpp_extension import get_default_build_root
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
-    locks = [*root.glob("deepspeed_shm_comm/lock"), *root.glob("*/deepspeed_shm_comm/lock")]
-    return [p for p in locks if time.time() - p.stat().st_mtime > max_age_s]
+def skip_deepspeed_shm_op() -> None:
+    """DeepSpeed's CPU comm backend JIT-builds its shared-memory all-reduce op at every start (~40 s of
+    C++ on 2 CPU cores on a fresh machine, behind torch's ownerless lock file, which a launch killed
+    mid-build leaves for every later launch to wait on forever). Only inference_all_reduce (tensor-
+    parallel inference) uses the op, never training's all_reduce, so mark it unavailable: DeepSpeed
+    then skips the build (deepspeed.ops keeps the probed dict in the module so that edits persist)."""
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def make_accelerator(engine: str, precision: str, log_with: str | None) -> Accelerator:
     multi = int(os.environ.get("WORLD_SIZE", "1")) > 1
     cuda = torch.cuda.is_available()
-    if engine == "deepspeed":
-        for lock in stale_build_locks():  # not ours to delete: someone else's build may own it
-            say(f"warning: DeepSpeed will wait on {lock} (left by a build that was killed?); "
-                f"if no DeepSpeed build is running, remove it")
     if engine == "deepspeed" and not cuda:
+        skip_deepspeed_shm_op()
         # cpu=True would make accelerate drop DeepSpeed for plain gloo DDP; naming the backend
         # keeps DeepSpeed, which then runs on its CPU accelerator over gloo.
         accelerator = Accelerator(mixed_precision=precision, log_with=log_with,

@@ -34,9 +34,12 @@ demo: install
 
 # vLLM's own config conversion checks the exports (tests/vllm_reference.py); best effort: without
 # network the fetch fails and those tests skip with a reason.
+# Two pytest workers (pytest-xdist), whole files each so module fixtures are built once: this
+# machine's two cores; TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 test: install
 	-$(PY) tests/fetch_vllm.py
-	$(PY) -m pytest --durations=10
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=10
 
 # vLLM 0.33's Python sources (no install, no CUDA) into .cache/, once.
 vllm-ref: install

@@ -134,6 +134,8 @@ def parse_args(argv):
     p.add_argument("--output", required=True, help="report folder")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     args = p.parse_args(argv)
+    if not 0 <= args.seed < 2**32:  # as dflash-prepare --seed; per-prompt seeds are derived from it
+        p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.max_new_tokens < 2:

@@ -184,7 +184,7 @@ class RunConfig(Section):
     output_dir: str = "runs/tiny"
     max_steps: int = Field(200, ge=1)  # optimizer steps
     checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints (0: none besides final/)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32)  # as dflash-prepare --seed and dflash-eval --seed
     log_every: int = Field(10, ge=1)  # steps between progress-bar refreshes of the live metrics
     overwrite: bool = False  # replace a non-empty output_dir
     model: ModelConfig = ModelConfig()

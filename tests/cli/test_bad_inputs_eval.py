@@ -129,6 +129,8 @@ EVAL_CASES = {
                          "--concurrency 100000 is above the limit of 256"),
     "huge_repeats": (lambda i: ["--drafter", i["drafter"], "--repeats", "1000000000"],
                      "--repeats must be in 1..100"),
+    "huge_seed": (lambda i: ["--drafter", i["drafter"], "--seed", "4294967296"],
+                  "--seed must be from 0 to 2**32 - 1, got 4294967296"),
 }
 
 EXPORT_CASES = {

@@ -60,3 +60,12 @@ def test_anchor_keys_depend_on_the_row_not_the_batch():
     b = anchor_keys([3], [9], 9, seed=1, step=4)
     assert torch.equal(a[1, :9], b[0]) and (a[0, 5:] == -1).all()
     assert not torch.equal(anchor_keys([3], [9], 9, seed=1, step=5), b)  # a new draw each step
+
+
+def test_anchor_keys_take_every_seed_a_recipe_allows():
+    """The largest recipe seed (2**32 - 1) at a late step overflowed torch's 64-bit seed (a traceback
+    at the first step of any run seeded >= ~10**6); a seed that fit draws exactly as before."""
+    keys = anchor_keys([10**6], [9], 9, seed=2**32 - 1, step=10**7)
+    assert ((keys >= 0) & (keys < 1)).all()
+    g = torch.Generator().manual_seed((3 * 1_000_003 + 4) * 10_000_019 + 7)
+    assert torch.equal(anchor_keys([7], [5], 5, seed=3, step=4)[0], torch.rand(5, generator=g))

@@ -26,6 +26,8 @@ def test_overrides_are_typed_and_nested():
     ("bogus=1", "unknown key 'bogus'"),
     ("max_steps=many", "'max_steps'"),
     ("max_steps=0", "'max_steps'"),
+    ("seed=4294967296", "'seed'"),  # 2**32: as dflash-prepare and dflash-eval --seed
+    ("seed=-1", "'seed'"),
     ("loss.ce_labels=maybe", "'loss.ce_labels'"),
     ("train=3", "'train'"),
     ("noequals", "not of the form key=value"),

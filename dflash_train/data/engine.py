@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from dflash_train.core.errors import UserError
 from dflash_train.data.regenerate import GenerateFn, Generation, Sampling
+from dflash_train.model.sampling import tempered_probs
 from dflash_train.model.target import Target
 
 
@@ -137,12 +138,7 @@ def pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gene
     """Next token of one row: argmax at temperature 0, else a top-p sample at `temperature`."""
     if temperature == 0:
         return int(logits.argmax())
-    # Shifted by the row's max before dividing, and the divisor kept a nonzero float32: the same
-    # numbers wherever logits / temperature fits a float, and the argmax row (not inf - inf or
-    # 0 / 0 = nan) as temperature -> 0.
-    logits = logits.float()
-    tempered = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
-    probs = torch.softmax(tempered, dim=-1)
+    probs = tempered_probs(logits, temperature)
     if top_p < 1.0:
         p, idx = probs.sort(descending=True)
         keep = (p.cumsum(0) - p) < top_p  # the smallest head whose mass reaches top_p

@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from dflash_train.decoding.ddtree import DraftTree, accept_walk, tree_attention_mask
 from dflash_train.decoding.proposers import PROPOSERS, Proposer
 from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.sampling import tempered_probs
 from dflash_train.model.target import Target
 
 METHODS = tuple(PROPOSERS)  # ar, dflash, ddtree
@@ -77,12 +78,7 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     """logits [n, V] -> one token per row: argmax at temperature 0, else an independent sample."""
     if temperature == 0:
         return logits.argmax(-1)
-    # Shifted by the row's max before dividing, and the divisor kept a nonzero float32: the same
-    # numbers wherever logits / temperature fits a float, and the argmax row (not inf - inf or
-    # 0 / 0 = nan) as temperature -> 0.
-    logits = logits.float()
-    tempered = (logits - logits.amax(-1, keepdim=True)) / max(temperature, torch.finfo(torch.float32).tiny)
-    probs = torch.softmax(tempered, dim=-1)
+    probs = tempered_probs(logits, temperature)
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
 
 

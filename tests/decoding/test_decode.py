@@ -93,6 +93,7 @@ def test_tiny_temperatures_pick_the_argmax_and_temperature_1_samples_as_before()
     assert [pick(row, 1.0, 1.0, gen_new) for row in logits] == [
         int(torch.multinomial(torch.softmax(row, -1), 1, generator=gen_old)) for row in logits]
 
+
 def test_sampling_follows_the_target_distribution():
     """At temperature 1 the 2nd and 3rd tokens (decided by the tree walk, not the prefill)
     must follow the target's own distribution, whatever the (here untrained) drafter proposes. A 12-token

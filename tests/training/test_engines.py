@@ -29,7 +29,8 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def command(config: str, out: Path, small_data: Path, processes: int = 2, steps: int = STEPS) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_processes", str(processes), "dflash_train/train.py", f"output_dir={out}", "seed=7",
+            "--num_processes", str(processes), "--main_process_port", "0",  # a free port: other launches may run beside
+            "dflash_train/train.py", f"output_dir={out}", "seed=7",
             f"max_steps={steps}", "checkpoint_every=2", "train.batch_size=4", "data.num_anchors=16",
             f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}", "eval.max_samples=8"]
 

@@ -26,6 +26,7 @@ from dflash_train.checkpoint.folders import (check_matches_target, drafter_finge
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
 from dflash_train.core.progress import BAR_INTERVAL
+from dflash_train.core.seeds import SEED_LIMIT
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.decoding.decode import TREE_SCORES
 from dflash_train.evaluation.costs import measure_costs, read_device_costs, widths_for
@@ -134,7 +135,7 @@ def parse_args(argv):
     p.add_argument("--output", required=True, help="report folder")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     args = p.parse_args(argv)
-    if not 0 <= args.seed < 2**32:  # as dflash-prepare --seed; per-prompt seeds are derived from it
+    if not 0 <= args.seed < SEED_LIMIT:  # per-prompt seeds are derived from it
         p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")

@@ -37,6 +37,7 @@ from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserErr
 from dflash_train.core.outputs import marker_kind, output_lock, require_free_output, write_atomically
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
+from dflash_train.core.seeds import SEED_LIMIT
 from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import (DROP_REASONS, FORMATS, INFO_FILE, ROLE_NAMES, Fields, append_rows,
                                     check_appendable, encode_conversations, end_of_turn, input_kind,
@@ -145,7 +146,7 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
     if not 0 <= args.temperature <= MAX_TEMPERATURE:  # refuses nan and inf too
         p.error(f"--temperature must be a number from 0 (greedy) to {MAX_TEMPERATURE:g}, got "
                 f"{args.temperature}")
-    if not 0 <= args.seed < 2**32:
+    if not 0 <= args.seed < SEED_LIMIT:
         p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
     if args.append_to and (args.val_size or args.val_fraction or args.shuffle):
         p.error("--append-to keeps the earlier output's split: --val-size, --val-fraction and --shuffle do "

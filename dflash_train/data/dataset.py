@@ -18,6 +18,7 @@ from datasets.utils import are_progress_bars_disabled, disable_progress_bars, en
 from transformers import PreTrainedTokenizerBase
 
 from dflash_train.core.errors import UserError
+from dflash_train.core.seeds import derived_generator
 from dflash_train.data import chat
 
 
@@ -142,8 +143,7 @@ def anchor_keys(rows: list[int], lengths: list[int], T: int, seed: int, step: in
     micro-batch it lands in, so runs with other process counts or padding see the same blocks."""
     keys = torch.full((len(rows), T), -1.0)
     for i, (row, n) in enumerate(zip(rows, lengths)):
-        # reduced mod 2**63 (torch's seed is 64-bit): unchanged wherever it fit, no overflow for big seeds
-        g = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 10_000_019 + row) % 2**63)
+        g = derived_generator((seed * 1_000_003 + step) * 10_000_019 + row)
         keys[i, :n] = torch.rand(n, generator=g)
     return keys
 

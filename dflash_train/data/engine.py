@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.core.errors import UserError
+from dflash_train.core.seeds import derived_generator
 from dflash_train.data.regenerate import GenerateFn, Generation, Sampling
 from dflash_train.model.sampling import tempered_probs
 from dflash_train.model.target import Target
@@ -158,8 +159,7 @@ def generate_all(engine: StaticEngine, prompts: list[list[int]], stop_ids: list[
 
     def take(i, logits, slot, P):
         if temperature > 0:
-            # regenerate's batch seeds reach 2**56: keep the product a valid (63-bit) torch seed
-            rngs[i] = torch.Generator().manual_seed((seed * 1_000_003 + i) % 2**63)
+            rngs[i] = derived_generator(seed * 1_000_003 + i)  # regenerate's batch seeds reach 2**56
         t = pick(logits, temperature, top_p, rngs[i])
         finish(slot, i, [t], P)
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from dflash_train.core.errors import UserError
 from dflash_train.core.paths import resolve_input
+from dflash_train.core.seeds import SEED_LIMIT
 
 DEFAULT_RECIPE = "recipes/tiny.yaml"  # like every relative input: from the current folder, else the checkout
 # Keys that were replaced: an old recipe stops with one line naming the new key.
@@ -184,7 +185,7 @@ class RunConfig(Section):
     output_dir: str = "runs/tiny"
     max_steps: int = Field(200, ge=1)  # optimizer steps
     checkpoint_every: int = Field(0, ge=0)  # steps between checkpoints (0: none besides final/)
-    seed: int = Field(0, ge=0, lt=2**32)  # as dflash-prepare --seed and dflash-eval --seed
+    seed: int = Field(0, ge=0, lt=SEED_LIMIT)  # as dflash-prepare --seed and dflash-eval --seed
     log_every: int = Field(10, ge=1)  # steps between progress-bar refreshes of the live metrics
     overwrite: bool = False  # replace a non-empty output_dir
     model: ModelConfig = ModelConfig()

@@ -47,6 +47,7 @@ from dflash_train.core.errors import UserError
 from dflash_train.core.outputs import output_lock
 from dflash_train.core.paths import model_source, resolve_input
 from dflash_train.core.progress import BAR_INTERVAL
+from dflash_train.core.seeds import derived_generator
 from dflash_train.data.dataset import check_data_path, collate, load_conversations
 from dflash_train.data.hs_cache import check_complete, open_cache
 from dflash_train.model.loss import acceptance_counts, acceptance_metrics, loss_divisor
@@ -74,7 +75,7 @@ class EpochSampler(Sampler):
         self.n, self.seed, self.epoch = n, seed, 0
 
     def __iter__(self):
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        g = derived_generator(self.seed * 1_000_003 + self.epoch)
         return iter(torch.randperm(self.n, generator=g).tolist())
 
     def __len__(self):

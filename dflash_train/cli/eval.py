@@ -37,7 +37,11 @@ from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_or
 from dflash_train.model.cpu_linear import CHOICES as CPU_LINEAR_CHOICES
 from dflash_train.model.cpu_linear import use_stream_linear
 from dflash_train.model.gqa_attention import use_gqa_sdpa
-from dflash_train.model.target import check_positions, config_positions, load_target, target_dtype
+from dflash_train.model.target import (check_positions, config_positions, load_target, round_weights_to_bf16,
+                                       target_dtype)
+
+# --target-dtype: bf16 weight values held in fp32 (model/target.py round_weights_to_bf16)
+BF16_WEIGHTS = "bf16-weights"
 from dflash_train.training.config import MAX_TREE_BUDGET
 
 
@@ -121,11 +125,13 @@ def parse_args(argv):
                    help="requests sharing one verify forward, for the predicted speedups")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
+    p.add_argument("--target-dtype", choices=["auto", "bf16", BF16_WEIGHTS, "fp32"], default="auto",
                    help="target and drafter weights: auto = bf16 on a GPU that has it, else fp32; bf16 on a "
                         "CPU with AVX-512 BF16 verifies ~1.7x faster, but a tree's verify forward rounds "
                         "differently from AR's, so at temperature 0 outputs can part at near-ties: lossless "
-                        "is exact in fp32")
+                        f"is exact in fp32; {BF16_WEIGHTS} = weights rounded to bf16, activations in fp32 "
+                        "(a CPU without native bf16: the streaming linear reads half the bytes, and "
+                        "lossless stays exact)")
     p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
                    help="fp32 on a CPU: stream = the weight-streaming linear (a few-token verify costs about "
                         "one token; needs cc and AVX2), torch = torch's GEMM, auto = stream where it builds")
@@ -193,7 +199,8 @@ def run(args, argv) -> None:
     drafter, meta = load_drafter(args.drafter)
     fingerprint = drafter_fingerprint(drafter)  # of the drafter as stored, before any cast or move
     device = args.device
-    dtype = target_dtype(args.target_dtype, device)
+    bf16_weights = args.target_dtype == BF16_WEIGHTS
+    dtype = target_dtype("fp32" if bf16_weights else args.target_dtype, device)
     target_id = args.target or meta["target"]["name_or_path"]
     target = load_target(target_id, revision=args.target_revision or (None if args.target
                                                                       else meta["target"]["revision"]),
@@ -203,6 +210,9 @@ def run(args, argv) -> None:
     check_positions(args.max_new_tokens, "--max-new-tokens", positions, target_id)
     check_prompts_fit(suites, target.tokenizer, positions, target_id)
     drafter.to(device=device, dtype=dtype).eval()
+    if bf16_weights:  # before the streaming linear, which then keeps each weight's bf16 copy
+        round_weights_to_bf16(target.model)
+        round_weights_to_bf16(drafter)
     cpu_linear = choose_cpu_linear(args.cpu_linear, target, drafter, device, dtype)
     if device.type == "cpu":  # the same bits without copying K/V heads per layer (CUDA: sdpa's own choice)
         use_gqa_sdpa(target.model)
@@ -227,7 +237,8 @@ def run(args, argv) -> None:
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
                    "target_layer_ids": drafter.config.target_layer_ids,
-                   "hardware": hardware_record(device) | {"dtype": str(dtype).removeprefix("torch."),
+                   "hardware": hardware_record(device) | {"dtype": (BF16_WEIGHTS if bf16_weights
+                                                                    else str(dtype).removeprefix("torch.")),
                                                           "cpu_linear": cpu_linear,
                                                           "attention": target.model.config._attn_implementation},
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,

@@ -150,6 +150,12 @@ def _distilled_text(trained: dict) -> str:
     return f", tree-distilled on {n['distilled']} of {plural(n['steps'], 'step')} ({how})"
 
 
+def _dtype_text(dtype: str) -> str:
+    if dtype == "bf16-weights":  # dflash-eval --target-dtype bf16-weights
+        return "; weights rounded to bf16, activations in float32"
+    return f"; weights in {dtype}"
+
+
 def _header(report: dict) -> list[str]:
     """The report's title, setup and hardware lines (and what the drafter was trained for)."""
     hw = report["hardware"]
@@ -159,7 +165,7 @@ def _header(report: dict) -> list[str]:
              f"{report['max_new_tokens']} new tokens per turn, {report['repeats']} repeat(s) of the sweep.",
              f"Hardware: {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
              + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "")
-             + (f"; weights in {hw['dtype']}" if hw.get("dtype") else "")
+             + (_dtype_text(hw["dtype"]) if hw.get("dtype") else "")
              + (f", {hw['cpu_threads']} thread(s), the streaming CPU linear (dflash_train/model/cpu_linear.py)"
                 if hw.get("cpu_linear") == "stream" else "") + ".", ""]
     trained = report.get("trained_for") or {}

@@ -72,6 +72,18 @@ class Target:
 TARGET_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def round_weights_to_bf16(model: nn.Module) -> None:
+    """Round every floating-point parameter of `model` to its nearest bf16 value, kept in fp32: bf16
+    weights with fp32 activations and sums, the way a CPU without native bf16 serves a bf16 checkpoint
+    (llama.cpp's BF16 type does the same). The streaming linear then keeps a bf16 copy of each weight
+    and reads half the bytes (dflash_train/model/cpu_linear.py); the model's numbers are those of the
+    rounded weights in every forward, so lossless stays exact against its own plain decoding."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.copy_(p.bfloat16())
+
+
 def native_bf16(device: str | torch.device) -> bool:
     """bf16 matmuls run natively: a CUDA GPU with bf16, or a CPU with AVX-512 BF16 / AMX (oneDNN)."""
     device = torch.device(device)

@@ -150,8 +150,16 @@ def _distilled_text(trained: dict) -> str:
     return f", tree-distilled on {n['distilled']} of {plural(n['steps'], 'step')} ({how})"
 
 
+# hardware.dtype in words (bf16-weights: dflash-eval --target-dtype bf16-weights)
+DTYPE_LABELS = {"float32": "fp32", "bfloat16": "bf16", "bf16-weights": "bf16 weights, fp32 activations"}
+
+
+def dtype_label(dtype: str) -> str:
+    return DTYPE_LABELS.get(dtype, dtype)
+
+
 def _dtype_text(dtype: str) -> str:
-    if dtype == "bf16-weights":  # dflash-eval --target-dtype bf16-weights
+    if dtype == "bf16-weights":
         return "; weights rounded to bf16, activations in float32"
     return f"; weights in {dtype}"
 

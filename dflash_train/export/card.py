@@ -10,7 +10,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from dflash_train.checkpoint.folders import recipe_trained_for
 from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
-from dflash_train.evaluation.report import plural
+from dflash_train.evaluation.report import dtype_label, plural
 from dflash_train.evaluation.speed import verdict_text
 from dflash_train.model.variants.dspark import TREE_CANDIDATES
 
@@ -44,7 +44,9 @@ def acceptance_section(reports: list[dict]) -> str:
             r0 = rows[0]
             out += [f"**{suite}** ({plural(r0['prompts'], 'prompt')}, temperature {r0['temperature']}, "
                     f"max {r0['max_new_tokens']} new tokens per turn; target `{rep['target']}`; "
-                    f"{rep['hardware']['device']}):", "",
+                    f"{rep['hardware']['device']}"
+                    + (f", {dtype_label(rep['hardware']['dtype'])}" if rep["hardware"].get("dtype") else "")
+                    + "):", "",
                     "| method | budget | tau (tokens per target forward) | lossless | speedup vs plain "
                     "decoding (90% interval) |", "|---|---:|---:|---|---:|"]
             for r in rows:
@@ -71,7 +73,7 @@ def validated_on_section(reports: list[dict]) -> str:
         if hw.get("cuda"):
             line += f", CUDA {hw['cuda']}, driver {hw.get('driver')}"
         if hw.get("cpu_linear") == "stream":  # its speedups hold for that verify, not torch's GEMM
-            line += ", fp32 through dflash-eval's streaming CPU linear"
+            line += f", {dtype_label(hw.get('dtype', 'float32'))} through dflash-eval's streaming CPU linear"
         seen.setdefault(line, hw["device_type"])
     text = "\n".join(seen)
     if "cuda" not in seen.values():

@@ -285,3 +285,18 @@ def test_target_dtype_bf16_decodes_and_is_recorded(trained_drafter_dir, tmp_path
         assert {r["method"] for r in rep["results"]} == {"ar", "dflash", "ddtree"}
         assert all(isinstance(r["lossless"], bool) for r in rep["results"])
     assert all(r["lossless"] is True for r in runs["auto"]["results"])
+
+
+@pytest.mark.skipif(kernel()[0] is None, reason="no streaming linear here")
+def test_target_dtype_bf16_weights_streams_and_stays_lossless(trained_drafter_dir, tmp_path):
+    """--target-dtype bf16-weights: weights rounded to bf16, activations in fp32, through the streaming
+    linear (which reads their bf16 copies); lossless is exact, and the report says what ran."""
+    out = tmp_path / "bf16w"
+    main(["--drafter", str(trained_drafter_dir), "--budgets", "4", "--limit", "2", "--max-new-tokens", "16",
+          "--concurrency", "1", "--target-dtype", "bf16-weights", "--output", str(out)])
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["hardware"]["dtype"] == "bf16-weights" and rep["hardware"]["cpu_linear"] == "stream"
+    assert "weights rounded to bf16, activations in float32" in (out / "report.md").read_text()
+    assert {r["method"] for r in rep["results"]} == {"ar", "dflash", "ddtree"}
+    assert all(r["lossless"] is True for r in rep["results"])
+    assert rep["drafter_fingerprint"] == drafter_fingerprint(load_drafter(trained_drafter_dir)[0])  # as stored

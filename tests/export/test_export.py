@@ -156,11 +156,14 @@ def test_model_card(exports, fingerprint):
 
 def test_card_lists_gpu_hardware_exactly(trained_drafter_dir, fingerprint, tmp_path):
     reports = []
-    for i, (kind, name) in enumerate([("cuda", "NVIDIA H200"), ("cpu", "Some CPU"), ("cpu", "Some CPU")]):
+    for i, (kind, name) in enumerate([("cuda", "NVIDIA H200"), ("cpu", "Some CPU"), ("cpu", "Some CPU"),
+                                      ("cpu", "Some CPU")]):
         reports.append(tmp_path / f"r{i}.json")
         rep = fake_report(fingerprint, kind, name)
-        if i == 2:  # measured through the streaming CPU linear: the card says so
+        if i >= 2:  # measured through the streaming CPU linear: the card says so, in the dtype that ran
             rep["hardware"]["cpu_linear"] = "stream"
+        if i == 3:  # dflash-eval --target-dtype bf16-weights
+            rep["hardware"]["dtype"] = "bf16-weights"
         reports[-1].write_text(json.dumps(rep))
     main(["--format", "dflash", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "o"),
           *[a for r in reports for a in ("--eval-report", str(r))]])
@@ -169,7 +172,11 @@ def test_card_lists_gpu_hardware_exactly(trained_drafter_dir, fingerprint, tmp_p
     assert section.strip().splitlines() == ["- NVIDIA H200 (cuda), torch 2.x, CUDA 12.8, driver 570.1",
                                             "- Some CPU (cpu), torch 2.x",
                                             "- Some CPU (cpu), torch 2.x, fp32 through dflash-eval's streaming CPU "
-                                            "linear"]
+                                            "linear",
+                                            "- Some CPU (cpu), torch 2.x, bf16 weights, fp32 activations through "
+                                            "dflash-eval's streaming CPU linear"]
+    # each acceptance table names the dtype its report ran in (none recorded: none named)
+    assert "; Some CPU, bf16 weights, fp32 activations):" in text and "; Some CPU):" in text
     assert "--speculative-config" in text and '"num_speculative_tokens": 7' in text
 
 

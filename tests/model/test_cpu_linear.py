@@ -150,3 +150,35 @@ def test_without_a_compiler_torch_stays_with_the_reason(monkeypatch, tmp_path):
     assert why and ("no-such-cc" in why or "AVX2" in why)
     assert not any(tmp_path.rglob("*.so"))  # nothing half-built left behind
     monkeypatch.setattr(cpu_linear, "_kernel", None)  # the next caller builds for real again
+
+
+@needs_kernel
+def test_bf16_weights_stream_their_bf16_copies_and_decode_losslessly(trained_drafter_dir):
+    """dflash-eval --target-dtype bf16-weights: every weight rounded to bf16 (held in fp32), so every
+    target and drafter linear streams a bf16 copy; decoding through them is plain decoding of the
+    rounded model (torch's linear over the same rounded weights gives the same tokens), and the chain
+    and DDTree still give exactly those tokens."""
+    from conftest import TINY_TARGET
+    from dflash_train.checkpoint.folders import load_drafter
+    from dflash_train.model.target import load_target, round_weights_to_bf16
+
+    target, drafter = load_target(TINY_TARGET), load_drafter(trained_drafter_dir)[0].eval()
+    before = {n: p.clone() for n, p in target.model.named_parameters()}
+    round_weights_to_bf16(target.model)
+    round_weights_to_bf16(drafter)
+    changed = 0
+    for n, p in target.model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, before[n].bfloat16().float()), n
+        changed += not torch.equal(p, before[n])
+    assert changed > 0  # the tiny target's fp32 weights were not bf16 values already
+    stops = stop_token_ids(target.model, target.tokenizer)
+    ids = chat_prompt(target.tokenizer, "Tell me about Oakgate.")
+    by_torch = decode(target, None, ids, "ar", max_new_tokens=40, stop_ids=stops).tokens
+    use_stream_linear(target.model), use_stream_linear(drafter)
+    streamed = [m for model in (target.model, drafter) for m in model.modules() if type(m) is StreamLinear]
+    assert streamed and all(m.weight_bf16 is not None for m in streamed)  # half the bytes, every one
+    plain = decode(target, None, ids, "ar", max_new_tokens=40, stop_ids=stops)
+    chain = decode(target, drafter, ids, "dflash", max_new_tokens=40, stop_ids=stops)
+    tree = decode(target, drafter, ids, "ddtree", budget=16, max_new_tokens=40, stop_ids=stops)
+    assert plain.tokens == by_torch
+    assert chain.tokens == plain.tokens and tree.tokens == plain.tokens

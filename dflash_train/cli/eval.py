@@ -39,11 +39,10 @@ from dflash_train.model.cpu_linear import use_stream_linear
 from dflash_train.model.gqa_attention import use_gqa_sdpa
 from dflash_train.model.target import (check_positions, config_positions, load_target, round_weights_to_bf16,
                                        target_dtype)
+from dflash_train.training.config import MAX_TREE_BUDGET
 
 # --target-dtype: bf16 weight values held in fp32 (model/target.py round_weights_to_bf16)
 BF16_WEIGHTS = "bf16-weights"
-from dflash_train.training.config import MAX_TREE_BUDGET
-
 
 # A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
 # [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes

@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from dflash_train.decoding.ddtree import DraftTree, accept_walk, tree_attention_mask
 from dflash_train.decoding.proposers import PROPOSERS, Proposer
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.sampling import tempered_probs
+from dflash_train.model.sampling import sample_rows, tempered_probs
 from dflash_train.model.target import Target
 
 METHODS = tuple(PROPOSERS)  # ar, dflash, ddtree
@@ -78,8 +78,7 @@ def choose(logits: torch.Tensor, temperature: float, generator: torch.Generator 
     """logits [n, V] -> one token per row: argmax at temperature 0, else an independent sample."""
     if temperature == 0:
         return logits.argmax(-1)
-    probs = tempered_probs(logits, temperature)
-    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits.device)
+    return sample_rows(tempered_probs(logits, temperature).cpu(), generator).to(logits.device)
 
 
 def verify(target: Target, cache: DynamicCache, tree: DraftTree, bonus: int, start: int, want_taps: bool):

@@ -13,6 +13,7 @@ from dflash_train.data.dataset import stop_token_ids
 from dflash_train.data.engine import pick
 from dflash_train.decoding.decode import choose, decode
 from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.model.sampling import sample_rows
 from dflash_train.model.target import Target
 
 QUESTIONS = ["What is 23 + 59?", "Tell me about Oakgate.", "Please sort 12, 5, 33, 8.",
@@ -81,13 +82,14 @@ def test_llama_target_is_lossless(llama_target_dir):
 def test_tiny_temperatures_pick_the_argmax_and_temperature_1_samples_as_before():
     """Both samplers (the decoder's choose, the static engine's pick) divide by the temperature: a
     tiny one used to overflow to inf - inf = nan and crash multinomial; its limit is the argmax. At
-    temperature 1 the draws are those of the plain softmax (the committed T=1 reports stay reproducible)."""
+    temperature 1 the draws are those of the plain softmax (the decoder through sample_rows, the engine
+    through torch.multinomial)."""
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 8
     for t in [1e-3, 1e-30, 1e-40, 1e-300, 5e-324]:
         gen = torch.Generator().manual_seed(1)
         assert choose(logits, t, gen).tolist() == logits.argmax(-1).tolist(), t
         assert [pick(row, t, 0.9, gen) for row in logits] == logits.argmax(-1).tolist(), t
-    plain = torch.multinomial(torch.softmax(logits, -1), 1, generator=torch.Generator().manual_seed(2))[:, 0]
+    plain = sample_rows(torch.softmax(logits, -1), torch.Generator().manual_seed(2))
     assert choose(logits, 1.0, torch.Generator().manual_seed(2)).tolist() == plain.tolist()
     gen_new, gen_old = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     assert [pick(row, 1.0, 1.0, gen_new) for row in logits] == [

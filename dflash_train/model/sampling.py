@@ -20,9 +20,9 @@ def sample_rows(probs: torch.Tensor, generator: torch.Generator | None) -> torch
 
     Inverts each row's CDF: u ~ U[0, 1) times the row's total, then the first index whose float64 running
     sum exceeds it, so a token of probability 0 is never drawn. Why not torch.multinomial: on a CPU it
-    costs ~1.2 ms a row at SmolLM2's 49,152 tokens (a DDTree@3 verify samples 4 rows: ~4.7 ms of a ~65 ms
-    round at temperature 1), this ~0.1 ms (benchmarks/results/sampling.json). A row at a time: one [V]
-    float64 buffer, where an [n, V] one cost page faults on every call."""
+    costs ~1.2 ms a row at SmolLM2's 49,152 tokens (a DDTree@3 verify samples 4 rows: ~4.9 ms of a ~65 ms
+    round at temperature 1), this ~0.1 ms (benchmarks/results/sampling.json). A row at a time: one cumsum
+    over all [n, V] at once took 4-10 ms at some row counts here (8, 17), a row at a time never."""
     u = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64)
     out = torch.empty(probs.shape[0], dtype=torch.long)
     for i, row in enumerate(probs):

@@ -231,7 +231,8 @@ def main(argv=None):
 
 def run(args) -> None:
     out = Path(args.output)
-    inputs = [("--input", args.input), ("--target", args.target)]
+    # --append-to is an input like the others: replacing an output that holds it deletes it
+    inputs = [("--input", args.input), ("--target", args.target), ("--append-to", args.append_to)]
     require_free_output(out, args.overwrite, "prepare", inputs)
     work = regen.work_folder(out) if args.regenerate else None
     if work is not None:  # ours or absent, before anything is read, written or deleted

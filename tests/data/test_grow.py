@@ -86,6 +86,26 @@ def test_bad_append_is_one_line_and_writes_nothing(grown, tmp_path, case, extra,
     assert not (tmp_path / "out").exists() and sorted(p.name for p in small.rglob("*")) == before
 
 
+def tree(folder: Path) -> list:
+    return sorted((p.relative_to(folder), p.read_bytes() if p.is_file() else None) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("output, relation", [("outer", "holds"), ("outer/inner/grown", "is inside")])
+def test_an_output_holding_or_inside_the_append_target_is_refused_and_it_is_kept(tmp_path, output, relation):
+    """--append-to is an input: `--output P --append-to P/inner --overwrite` deleted P/inner."""
+    outer = prepare(tmp_path, 12, "outer")
+    inner = prepare(tmp_path, 12, "outer/inner")
+    before = tree(outer)
+    args = ["--input", corpus(tmp_path / "c.jsonl", 20), "--format", "messages", "--target", TINY_TARGET,
+            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / output,
+            "--append-to", inner, "--overwrite"]
+    code, _, err = run_main(prepare_cli.main, args)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, err[-2000:]
+    assert f"{relation} the --append-to '{inner}'" in errors[0]
+    assert tree(outer) == before
+
+
 def test_cache_append_keeps_full_shards_and_equals_a_fresh_build(grown, tiny_target, tmp_path, monkeypatch):
     _, small, big = grown
     old_ds = load_conversations(str(small / "train"), tiny_target.tokenizer, 128)

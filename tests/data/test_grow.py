@@ -73,7 +73,8 @@ def test_bad_append_is_one_line_and_writes_nothing(grown, tmp_path, case, extra,
     _, small, _ = grown
     target, out = small, tmp_path / "out"
     if case == "not_prepared":
-        target = tmp_path
+        target = tmp_path / "notes"  # beside --output, not around it (that is refused first)
+        target.mkdir()
     if case == "same_folder":
         out = small
     args = ["--input", corpus(tmp_path / "c.jsonl", 50), "--format", "messages", "--target", TINY_TARGET,

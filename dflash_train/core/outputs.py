@@ -6,14 +6,18 @@ the kind of folder. `--overwrite` / `overwrite=true` only ever replaces a folder
 and of the same kind; any other non-empty folder is refused. An output is written beside the old
 one (a temporary sibling) and swapped in at the very end, so a failure leaves the old output as it
 was. An output may not be, hold or lie inside one of the command's inputs (core/paths.py finds them).
-One process at a time writes an output (output_lock): a second one is refused on one line.
+One process at a time writes an output (output_lock): a second one is refused on one line. Its lock
+file is never followed through a link nor written over a file that is not a lock of ours.
 """
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -109,6 +113,7 @@ def check_writable(out: Path, flag: str) -> None:
 
 
 LOCK_TRIES = 5  # a lock file removed by its holder as we opened it is opened again, this many times
+LOCK_MAX = 32  # bytes: our lock files hold a pid and a newline
 
 
 def _make_parents(folder: Path) -> list[Path]:
@@ -130,14 +135,45 @@ def _remove_empty(made: list[Path]) -> None:
             return
 
 
+def _lock_error(path: Path, out: Path, flag: str, what: str) -> UserError:
+    return UserError(f"{flag} '{out}': its lock file '{path}' {what}: move it away or write somewhere else")
+
+
+def _open_lock(path: Path, out: Path, flag: str) -> int:
+    """Open `path` (made if missing) -> its fd. Never through a symbolic link (O_NOFOLLOW: a link
+    planted there, or left by a user, would have us truncate the file it points to), and only a
+    regular file (a folder or a FIFO in the way is refused, O_NONBLOCK so a FIFO does not hang us)."""
+    nofollow = os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | nofollow, 0o666)
+        except PermissionError:  # another user's file: flock needs no write access
+            fd = os.open(path, os.O_RDONLY | nofollow)
+    except OSError as e:
+        what = {errno.ELOOP: "is a symbolic link, which dflash-train does not follow (it would write over "
+                             "the file it points to)",
+                errno.EISDIR: "is a folder"}.get(e.errno, f"cannot be opened ({e.strerror})")
+        raise _lock_error(path, out, flag, what) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # a folder opened read-only, a FIFO, a device
+        os.close(fd)
+        raise _lock_error(path, out, flag, "is not a regular file")
+    return fd
+
+
+def _is_our_lock(fd: int) -> bool:
+    """The file holds what our lock files hold (nothing, or a pid line) and has no other name (a hard
+    link to a user's file would be truncated through it): only such a file is written over."""
+    if os.fstat(fd).st_nlink != 1:
+        return False
+    return re.fullmatch(rb"(\d+\n)?", os.pread(fd, LOCK_MAX + 1, 0)) is not None
+
+
 def _take_lock(path: Path, out: Path, flag: str) -> int:
     """flock `path` (made if missing) without waiting -> its fd, with our pid written in it. Held
-    by another process: a UserError naming that process's pid (which it wrote there)."""
+    by another process: a UserError naming that process's pid (which it wrote there). A file there
+    that is not a lock file of ours (a link, a folder, a file with other contents) is refused, untouched."""
     for _ in range(LOCK_TRIES):
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        except PermissionError:  # another user's file: flock needs no write access
-            fd = os.open(path, os.O_RDONLY)
+        fd = _open_lock(path, out, flag)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -146,10 +182,14 @@ def _take_lock(path: Path, out: Path, flag: str) -> int:
             raise UserError(f"{flag} '{out}' is in use by another dflash-train process (pid {pid}): wait for "
                             "it to finish, or write somewhere else") from None
         try:
-            ours = os.path.samestat(os.fstat(fd), os.stat(path))
+            ours = os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False))
         except FileNotFoundError:
             ours = False
         if ours:
+            if not _is_our_lock(fd):
+                os.close(fd)
+                raise _lock_error(path, out, flag, "is not a lock file of dflash-train (it holds something "
+                                                   "else, or has another name too)")
             try:
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())

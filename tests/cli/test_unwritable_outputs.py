@@ -32,3 +32,39 @@ def test_an_unwritable_output_dir_is_one_line_for_training():
     code, _, stderr = run_main(train_main, ["output_dir=/proc/x", f"data.train={TINY_DATA}", "max_steps=1"])
     line = error_line(stderr)
     assert code == 2 and "output_dir '/proc/x' cannot be written: no folder can be made in '/proc'" in line, line
+
+
+# --- a lock file in the way (issue 42) ---------------------------------------------------------------
+
+def in_the_way(tmp_path, what: str):
+    """A `.out.lock` beside tmp_path/out that is not a lock of ours: a folder, or a link to a user's file."""
+    lock = tmp_path / ".out.lock"
+    if what == "folder":
+        lock.mkdir()
+        (lock / "inside.txt").write_text("kept")
+    else:
+        (tmp_path / "precious.txt").write_text("the user's work\n")
+        lock.symlink_to(tmp_path / "precious.txt")
+    return lock, {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")}
+
+
+@pytest.mark.parametrize("what, message", [("folder", "is a folder"),
+                                           ("link", "is a symbolic link, which dflash-train does not follow")])
+@pytest.mark.parametrize("command", ["eval", "cache", "train"])
+def test_a_lock_file_in_the_way_is_one_line_and_touched_not(command, what, message, tmp_path):
+    """A folder was a traceback; a link to a user's file was truncated and given our pid."""
+    lock, before = in_the_way(tmp_path, what)
+    out = tmp_path / "out"
+    if command == "train":
+        from dflash_train.cli.train import main as train_main
+
+        code, _, stderr = run_main(train_main, [f"output_dir={out}", f"data.train={TINY_DATA}", "max_steps=1"])
+        flag = "output_dir"
+    else:
+        main, argv = COMMANDS[command]
+        code, _, stderr = run_main(main, [*argv, "--output", out])
+        flag = "--output"
+    line = error_line(stderr)
+    assert code == 2 and line.startswith(f"error: {flag} '{out}': its lock file '{lock}' {message}"), line
+    assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
+

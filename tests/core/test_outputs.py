@@ -335,3 +335,53 @@ def test_a_killed_holder_blocks_nothing_and_made_folders_are_removed(tmp_path):
             with output_lock(tmp_path / "x", "--output"):
                 pass
     assert list(tmp_path.iterdir()) == []
+
+
+# --- the lock file is never a user's file (issue 42) ------------------------------------------------
+
+def planted(tmp_path: Path, what: str) -> Path:
+    """A `.out.lock` beside tmp_path/out that dflash-train did not make; the user's file is precious.txt."""
+    precious, lock = tmp_path / "precious.txt", tmp_path / ".out.lock"
+    precious.write_text("the user's work\n")
+    if what == "link":
+        lock.symlink_to(precious)
+    elif what == "dangling link":  # O_CREAT through it would make the file it names
+        lock.symlink_to(tmp_path / "made.txt")
+    elif what == "hard link":
+        os.link(precious, lock)
+    elif what == "folder":
+        lock.mkdir()
+        (lock / "inside.txt").write_text("kept")
+    else:  # a regular file of the user's under that name
+        lock.write_text("notes\n")
+    return lock
+
+
+@pytest.mark.parametrize("what, message", [
+    ("link", "is a symbolic link, which dflash-train does not follow"),
+    ("dangling link", "is a symbolic link, which dflash-train does not follow"),
+    ("hard link", "is not a lock file of dflash-train"), ("folder", "is a folder"),
+    ("file", "is not a lock file of dflash-train")])
+def test_a_lock_file_that_is_not_ours_is_refused_untouched(tmp_path, what, message):
+    """A `.out.lock` that was a symlink to a user's file was opened through the link, truncated and
+    given our pid; a folder there was a traceback. Now one line, and everything stays as it was."""
+    lock = planted(tmp_path, what)
+    before = tree(tmp_path)
+    with pytest.raises(UserError) as e:
+        with output_lock(tmp_path / "out", "--output"):
+            pytest.fail("the lock was taken")
+    line = str(e.value)
+    assert line.startswith(f"--output '{tmp_path / 'out'}': its lock file '{lock}' {message}")
+    assert line.endswith(": move it away or write somewhere else") and "\n" not in line
+    assert tree(tmp_path) == before and (tmp_path / "precious.txt").read_text() == "the user's work\n"
+    assert os.path.lexists(lock) and not (tmp_path / "made.txt").exists()
+
+
+def test_a_lock_file_left_by_a_dead_run_is_reused(tmp_path):
+    """Ours, stale: a pid line (a run killed), or empty (killed between open and write)."""
+    for content in ("12345\n", ""):
+        (tmp_path / ".out.lock").write_text(content)
+        with output_lock(tmp_path / "out", "--output"):
+            assert (tmp_path / ".out.lock").read_text() == f"{os.getpid()}\n"
+        assert list(tmp_path.iterdir()) == []
+

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_train import __version__
-from dflash_train.core.errors import UserError
+from dflash_train.core.errors import UserError, say
 from dflash_train.core.paths import resolve_input
 
 MARKER = ".dflash-train.json"
@@ -201,6 +201,23 @@ def _take_lock(path: Path, out: Path, flag: str) -> int:
                     "opened: another process keeps taking and releasing it")
 
 
+def _release_lock(path: Path, fd: int, out: Path, flag: str) -> None:
+    """Remove the lock file while still holding it (a process that opened it meanwhile is refused),
+    then release it. A file that cannot be removed (its folder made read-only during the run) is
+    harmless, and the work is done: a warning, not a failure (flock ends with the process; the next
+    run reuses the file). Only our own file is removed, should another have taken its name."""
+    try:
+        if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        say(f"warning: {flag} '{out}': the lock file '{path}' could not be removed ({e.strerror}); it is "
+            "harmless (the lock ends with this process) and the next run reuses it")
+    finally:
+        os.close(fd)
+
+
 @contextmanager
 def output_lock(out: Path, flag: str) -> Iterator[None]:
     """Hold `out` for this process while the block runs: another dflash-train process on the same
@@ -223,8 +240,7 @@ def output_lock(out: Path, flag: str) -> Iterator[None]:
     try:
         yield
     finally:
-        path.unlink(missing_ok=True)  # while still held: a process that opened it meanwhile is refused
-        os.close(fd)
+        _release_lock(path, fd, given, flag)
         _remove_empty(made)
 
 

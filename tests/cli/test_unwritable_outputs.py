@@ -68,3 +68,26 @@ def test_a_lock_file_in_the_way_is_one_line_and_touched_not(command, what, messa
     assert code == 2 and line.startswith(f"error: {flag} '{out}': its lock file '{lock}' {message}"), line
     assert {p: p.read_bytes() if p.is_file() else None for p in tmp_path.rglob("*")} == before
 
+
+def test_a_lock_file_that_cannot_be_removed_after_the_work_is_a_warning_and_exit_0(tmp_path, monkeypatch):
+    """The eval finished, then its lock file could not be removed (its folder made read-only during the
+    run): that was a PermissionError traceback and exit 1 after the whole eval. The work is done and the
+    lock harmless (flock ends with the process): one warning line, exit 0."""
+    import os
+
+    out, lock = tmp_path / "out", tmp_path / ".out.lock"
+    real_unlink = os.unlink
+
+    def work(args, argv):  # the eval's work, done; then the folder turns read-only (as root chmod would not
+        def read_only(path, *a, **k):  # stop an unlink: refuse it here instead)
+            if str(path) == str(lock):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_unlink(path, *a, **k)
+
+        monkeypatch.setattr(os, "unlink", read_only)
+
+    monkeypatch.setattr(dflash_eval, "run", work)
+    code, _, stderr = run_main(dflash_eval.main, ["--drafter", "d", "--output", out])
+    assert code == 0 and stderr.splitlines() == [
+        f"warning: --output '{out}': the lock file '{lock}' could not be removed (Permission denied); it is "
+        "harmless (the lock ends with this process) and the next run reuses it"], stderr

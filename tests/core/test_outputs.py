@@ -385,3 +385,23 @@ def test_a_lock_file_left_by_a_dead_run_is_reused(tmp_path):
             assert (tmp_path / ".out.lock").read_text() == f"{os.getpid()}\n"
         assert list(tmp_path.iterdir()) == []
 
+
+def test_a_lock_file_that_cannot_be_removed_is_a_warning(tmp_path, monkeypatch, capsys):
+    """The work is done when the lock is released: a lock file that cannot be removed then (its folder
+    made read-only during the run) is harmless, not a traceback and exit 1 after the work."""
+    real_unlink, lock = os.unlink, tmp_path / ".out.lock"
+
+    def read_only_folder(path, *args, **kwargs):  # as root, chmod 555 would not stop an unlink
+        if Path(path) == lock:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_unlink(path, *args, **kwargs)
+
+    with output_lock(tmp_path / "out", "--output"):
+        monkeypatch.setattr(os, "unlink", read_only_folder)
+    assert capsys.readouterr().err == (
+        f"warning: --output '{tmp_path / 'out'}': the lock file '{lock}' could not be removed (Permission "
+        "denied); it is harmless (the lock ends with this process) and the next run reuses it\n")
+    monkeypatch.undo()
+    with output_lock(tmp_path / "out", "--output"):  # released: the next run takes the file left
+        assert lock.read_text() == f"{os.getpid()}\n"
+    assert list(tmp_path.iterdir()) == []

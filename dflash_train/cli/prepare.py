@@ -42,10 +42,10 @@ from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import (DROP_REASONS, FORMATS, INFO_FILE, ROLE_NAMES, Fields, append_rows,
                                     check_appendable, encode_conversations, end_of_turn, input_kind,
                                     read_conversations, read_prepared, read_rows, split_indices,
-                                    template_sha256, to_dataset)
+                                    template_sha256, to_dataset, tokenizer_sha256)
 from dflash_train.data.engine import static_generate
 from dflash_train.model.target import (LOAD_ERRORS, check_positions, first_line, load_target, max_positions,
-                                       target_dtype)
+                                       resolve_pin, target_dtype)
 
 
 MAX_TEMPERATURE = 2.0  # beyond it a target's samples are close to uniform noise
@@ -282,11 +282,24 @@ def run(args) -> None:
           f"tokens ({info['tokens']['supervised']:,} supervised) to {out}")
 
 
+def weights_pin(args) -> dict | None:
+    """The target's weights by content (resolve_pin: a local folder's safetensors SHA-256, a Hub cache
+    commit, an explicit revision), so --append-to can tell other weights under the same name; None
+    where they cannot be pinned (a folder without safetensors, a Hub id not in the local cache)."""
+    try:
+        return resolve_pin(args.target, args.target_revision)
+    except UserError:
+        return None
+
+
 def prepare_info(args, fields: Fields, tokenizer, eot: str) -> dict:
-    """prepare_info.json's settings (its counts, splits and tokens are added once known)."""
+    """prepare_info.json's settings (its counts, splits and tokens are added once known). The target's
+    weights, tokenizer and template are what --append-to checks before mixing two runs' rows."""
     return {"input": args.input, "split": args.split if input_kind(args.input) == "hub" else None,
             "config": args.config, "format": args.format, "fields": asdict(fields),
-            "target": {"name_or_path": args.target, "revision": args.target_revision},
+            "target": {"name_or_path": args.target, "revision": args.target_revision,
+                       "weights": weights_pin(args)},
+            "tokenizer": {"sha256": tokenizer_sha256(tokenizer)},
             "template": {"sha256": template_sha256(tokenizer), "end_of_turn": eot},
             "enable_thinking": args.enable_thinking, "max_length": args.max_length,
             "min_supervised_tokens": args.min_supervised_tokens, "shuffle": args.shuffle, "seed": args.seed}

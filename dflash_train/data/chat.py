@@ -228,6 +228,17 @@ def template_sha256(tokenizer) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def tokenizer_sha256(tokenizer) -> str:
+    """What turns text into ids, for --append-to's key: the fast tokenizer's whole definition (vocab,
+    merges, normalizer, pre-tokenizer, added tokens; less the truncation and padding a call sets on it)
+    and which tokens are special. Two copies of one tokenizer hash the same wherever they are."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec.pop("truncation", None)
+    spec.pop("padding", None)
+    text = json.dumps([spec, tokenizer.special_tokens_map], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def chat_text(tokenizer, messages: list[dict], enable_thinking: bool) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
                                          enable_thinking=enable_thinking)
@@ -381,11 +392,41 @@ def read_prepared(folder: Path) -> tuple[dict, dict[str, list[tuple[list[int], l
     return info, splits
 
 
+def weights_key(pin: dict | None) -> str | None:
+    """A target's weights as resolve_pin pins them: the SHA-256 of a local folder's safetensors, else
+    the Hub repo at its commit (or the explicit revision)."""
+    if not isinstance(pin, dict):
+        return None
+    if pin.get("kind") == "content_sha256":
+        return f"sha256 {str(pin.get('sha256'))[:12]}"
+    return f"{pin.get('name_or_path')}@{pin.get('revision')}"
+
+
 def check_appendable(info: dict, mine: dict, folder: Path) -> None:
-    """The rows of `info`'s prepare run and of this one (`mine`: the same fields) must be the same kind."""
+    """The rows of `info`'s prepare run and of this one (`mine`: the same fields) must be the same kind:
+    the same chat template, tokenizer and target weights (by content, not by path: a copy of the target
+    elsewhere appends, other weights under the same path do not), and the same settings."""
+    name = info["target"]["name_or_path"]
     if info["template"]["sha256"] != mine["template"]["sha256"]:
-        raise UserError(f"--append-to '{folder}' was prepared with another chat template (target "
-                        f"'{info['target']['name_or_path']}')")
+        raise UserError(f"--append-to '{folder}' was prepared with another chat template (target '{name}')")
+    old_tok = info.get("tokenizer", {}).get("sha256")
+    if old_tok is None:
+        raise UserError(f"--append-to '{folder}' records no tokenizer hash (an older dflash-prepare wrote it): "
+                        "prepare it again to append to it")
+    if old_tok != mine["tokenizer"]["sha256"]:
+        raise UserError(f"--append-to '{folder}' was prepared with another tokenizer (target '{name}', "
+                        f"tokenizer sha256 {old_tok[:12]} vs {mine['tokenizer']['sha256'][:12]})")
+    old_w, new_w = weights_key(info["target"].get("weights")), weights_key(mine["target"]["weights"])
+    if old_w is None:
+        raise UserError(f"--append-to '{folder}' records no pin of its target's weights (an older "
+                        "dflash-prepare, or weights it could not pin): prepare it again to append to it")
+    if new_w is None:
+        raise UserError(f"--append-to: the weights of target '{mine['target']['name_or_path']}' cannot be "
+                        "pinned here (no safetensors to hash, or a Hub id not in the local cache: pass "
+                        "--target-revision), so they cannot be checked against the earlier output's")
+    if old_w != new_w:
+        raise UserError(f"--append-to '{folder}' was prepared from other target weights ('{name}' {old_w} vs "
+                        f"'{mine['target']['name_or_path']}' {new_w})")
     differ = [f"{k} {info.get(k)} vs {mine[k]}" for k in SAME_ROWS if info.get(k) != mine[k]]
     if differ:
         raise UserError(f"--append-to '{folder}' was prepared with other settings ({', '.join(differ)})")

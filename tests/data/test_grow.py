@@ -3,10 +3,12 @@
 data gives."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 from datasets import load_from_disk
+from safetensors.torch import load_file, save_file
 
 import dflash_train.data.hs_cache as hs
 from conftest import ROOT, TINY_TARGET, run_main
@@ -85,6 +87,69 @@ def test_bad_append_is_one_line_and_writes_nothing(grown, tmp_path, case, extra,
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and "Traceback" not in err and len(errors) == 1 and expected in errors[0], err[-2000:]
     assert not (tmp_path / "out").exists() and sorted(p.name for p in small.rglob("*")) == before
+
+
+def other_target(tmp_path: Path, what: str) -> Path:
+    """A copy of the tiny target with the same chat template: the same files, other weights (one value
+    changed), or another tokenizer (its last 100 BPE merges gone: other ids for the same text)."""
+    target = tmp_path / f"target-{what}"
+    shutil.copytree(TINY_TARGET, target)
+    if what == "weights":
+        weights = load_file(target / "model.safetensors")
+        name = sorted(weights)[0]
+        weights[name].view(-1)[0] += 1.0
+        save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    if what == "tokenizer":
+        spec = json.loads((target / "tokenizer.json").read_text())
+        spec["model"]["merges"] = spec["model"]["merges"][:-100]
+        (target / "tokenizer.json").write_text(json.dumps(spec))
+    return target
+
+
+@pytest.mark.parametrize("what, expected", [
+    ("tokenizer", "was prepared with another tokenizer (target "),
+    ("weights", "was prepared from other target weights ("),
+])
+def test_append_from_another_tokenizer_or_other_weights_is_refused(grown, tmp_path, what, expected):
+    """Same chat template, so only the tokenizer's or the weights' hash tells: appending mixed two
+    tokenizations (and duplicated rows), or rewrote the info to name weights the old rows never saw."""
+    _, small, _ = grown
+    before = tree(small)
+    args = ["--input", corpus(tmp_path / "c.jsonl", 50), "--format", "messages", "--target",
+            other_target(tmp_path, what), "--min-supervised-tokens", "8", "--max-length", "128", "--output",
+            tmp_path / "out", "--append-to", small]
+    code, _, err = run_main(prepare_cli.main, args)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1 and expected in errors[0], err[-2000:]
+    assert not (tmp_path / "out").exists() and tree(small) == before
+
+
+@pytest.mark.parametrize("drop, expected", [("tokenizer", "records no tokenizer hash"),
+                                            ("weights", "records no pin of its target's weights")])
+def test_an_output_that_records_no_key_is_refused(grown, tmp_path, drop, expected):
+    """An output from before the key: whether its rows match this target cannot be told."""
+    _, small, _ = grown
+    old = tmp_path / "old"
+    shutil.copytree(small, old)
+    info = json.loads((old / "prepare_info.json").read_text())
+    del (info if drop == "tokenizer" else info["target"])[drop]
+    (old / "prepare_info.json").write_text(json.dumps(info))
+    args = ["--input", corpus(tmp_path / "c.jsonl", 50), "--format", "messages", "--target", TINY_TARGET,
+            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / "out", "--append-to", old]
+    code, _, err = run_main(prepare_cli.main, args)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and expected in errors[0], err[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_copy_of_the_target_elsewhere_appends(grown, tmp_path):
+    """The key is the content: the same weights and tokenizer at another path are the same target."""
+    d, small, big = grown
+    out = prepare(tmp_path, 70, "grown", "--append-to", small, "--target", other_target(tmp_path, "copy"))
+    assert rows(out / "train") == rows(big / "train") and rows(out / "val") == rows(big / "val")
+    info, old = (json.loads((f / "prepare_info.json").read_text()) for f in (out, small))
+    assert info["tokenizer"] == old["tokenizer"] and info["target"]["weights"]["sha256"] == \
+        old["target"]["weights"]["sha256"]
 
 
 def tree(folder: Path) -> list:

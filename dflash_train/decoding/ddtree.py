@@ -135,8 +135,8 @@ def root_only_tree() -> DraftTree:
 def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None,
                token_ids: torch.Tensor | None = None) -> DraftTree:
     """draft_logits [L, V] (any float dtype and device; row d-1 is depth d) -> the best
-    DDTree of `budget` non-root nodes (fewer if there are fewer than `budget` prefixes; a token
-    whose logit is -inf, outside a draft vocabulary, is never a node).
+    DDTree of `budget` non-root nodes (fewer if there are fewer than `budget` prefixes; in a marginal
+    tree a token whose logit is -inf, outside a draft vocabulary, is never a node).
 
     token_ids [V] long: the token id of each column (a draft vocabulary's kept target ids, so
     logits [L, N] in draft space give a tree of target ids); None: column j is token j.
@@ -145,7 +145,8 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None,
     depth's distribution, whoever the parent is). A conditional scorer (dspark.MarkovScorer,
     built from the drafter's heads) ranks each node's children by the drafter's next-slot
     distribution given the node's path; draft_logits are then the backbone's logits it
-    conditions. Returned tensors are on CPU."""
+    conditions, over the full vocabulary (the variants with scorers have no draft vocabulary, so
+    nothing is counted: K = min(budget, V)). Returned tensors are on CPU."""
     if draft_logits.dim() != 2:
         raise ValueError(f"draft_logits must be [L, V], got shape {tuple(draft_logits.shape)}")
     if token_ids is not None and (scorer is not None or token_ids.shape != draft_logits.shape[1:]):
@@ -154,10 +155,17 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None,
     if budget <= 0:
         return root_only_tree()
     L, V = draft_logits.shape
-    # a draft vocabulary's logits are -inf outside it: those tokens are never tree nodes
-    K = min(budget, V, max(1, int(torch.isfinite(draft_logits).sum(-1).min())))
+    K = min(budget, V)
     if scorer is None:
         logp, ids = top_k_log_probs(draft_logits, K)  # [L, K], [L, K]
+        # A draft vocabulary scattered into [L, V] leaves -inf outside it, and those tokens are never
+        # nodes: K drops to the fewest finite logits of a row. The top-K holds a row's finite logits
+        # first, so counting them there gives that number whenever it is below K, without a pass over
+        # all L x V logits (which cost twice the top-K). Logits already in draft space skip the redo.
+        finite = max(1, int(torch.isfinite(logp).sum(-1).min()))
+        if finite < K:
+            K = finite
+            logp, ids = top_k_log_probs(draft_logits, K)  # the same top-K as before, ties included
         if token_ids is not None:
             ids = token_ids[ids]  # columns -> token ids
         # One device-to-host copy: ids ride along as float64 (exact below 2**53) and only

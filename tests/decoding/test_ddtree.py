@@ -170,6 +170,34 @@ def test_masked_vocabulary_gives_no_nan():
     assert tree.tokens[:6].tolist() == [0, 0, 1, 1, 0, 1] and tree.depths[:6].tolist() == [1, 2, 1, 2, 2, 2]
 
 
+def test_rows_with_different_finite_counts_take_the_fewest():
+    """K is the fewest finite logits of any row (2 here, not row 0's 3): depth 1 keeps only its top 2."""
+    logits = torch.full((2, 6), float("-inf"))
+    logits[0, :3] = torch.tensor([2.0, 1.0, 0.0])
+    logits[1, 3:5] = torch.tensor([0.5, 0.0])
+    tree = build_tree(logits, budget=30)
+    assert node_paths(tree) == [(0,), (0, 3), (0, 4), (1,), (1, 3), (1, 4)]
+    assert tree.log_probs.isfinite().all()
+
+
+def test_full_vocabulary_logits_are_read_by_the_top_k_and_the_normaliser_only():
+    """Nothing else passes over the [L, V] logits: counting a draft vocabulary's finite columns with
+    a scan cost twice the top-K at V = 151,936 on every round of every full-vocabulary drafter."""
+    from torch.overrides import TorchFunctionMode
+
+    logits, seen = torch.randn(4, 300), set()
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, torch.Tensor) and a.shape == logits.shape for a in args):
+                seen.add(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        tree = build_tree(logits, 20)
+    assert tree.size == 20 and seen <= {"__get__", "dim", "float", "topk", "logsumexp"}, seen
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_input_gives_cpu_tree():
     logits = torch.randn(15, 1000)

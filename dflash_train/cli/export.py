@@ -80,11 +80,20 @@ def parse_args(argv):
     return args
 
 
+NOTES_MAX = 64 * 1024  # bytes: a card's Notes section; /dev/zero or a stray dump is refused, not read whole
+
+
 def read_notes(path: str | None) -> str | None:
+    """--card-notes, read up to NOTES_MAX bytes (one more tells a larger file: it is refused)."""
     if path is None:
         return None
     try:
-        return Path(path).read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            data = f.read(NOTES_MAX + 1)
+        if len(data) > NOTES_MAX:
+            raise UserError(f"--card-notes '{path}' is larger than {NOTES_MAX // 1024} KiB: a model card's "
+                            "notes are a few paragraphs; shorten the file")
+        return data.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # as read_text did
     except (OSError, UnicodeDecodeError) as e:
         raise UserError(f"--card-notes '{path}' is not a readable text file ({type(e).__name__})") from None
 

@@ -125,7 +125,8 @@ def add_regeneration_args(p: argparse.ArgumentParser) -> None:
                         "token; a cut answer ends its conversation (default: drop the conversation)")
     g.add_argument("--batch-size", type=int, default=16,
                    help=f"conversations per generate call (at most {MAX_BATCH_SIZE})")
-    g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ... (transformers backend)")
+    g.add_argument("--device", default="auto",
+                   help="auto, cpu, cuda, cuda:1, ... (transformers backend; the static one runs on the CPU)")
     g.add_argument("--target-dtype", choices=["auto", "bf16", "fp32"], default="auto",
                    help="the target's weights while it answers: auto = bf16 on a GPU that has it, else fp32; "
                         "bf16 on a CPU with AVX-512 BF16 is ~2x faster")
@@ -155,6 +156,27 @@ def check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--append-to and --output are the same folder: write the grown data to a new --output")
     if args.backend == "vllm" and args.target_dtype != "auto":
         p.error("--target-dtype applies to the transformers and static backends (vLLM picks its own dtype)")
+    if args.regenerate and args.backend != "vllm" and args.device != "auto":
+        check_device(p, args.device, args.backend)
+
+
+def check_device(p: argparse.ArgumentParser, text: str, backend: str) -> None:
+    """--device is one this torch can run the target on: a CUDA device on a CPU build of torch was a
+    traceback once the target had loaded, for either backend."""
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        p.error(f"--device '{text}' is not a device: use auto, cpu, cuda or cuda:N")
+    if device.type not in ("cpu", "cuda"):
+        p.error(f"--device '{text}': use auto, cpu, cuda or cuda:N")
+    if backend == "static" and device.type != "cpu":
+        p.error(f"--device {text}: --backend static runs on the CPU; use --device cpu (or auto), or "
+                "--backend transformers")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        build = " (a CPU build)" if torch.version.cuda is None else ""
+        p.error(f"--device {text}: this torch {torch.__version__}{build} sees no CUDA device; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        p.error(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
 def fit_positions(args) -> None:
@@ -200,7 +222,9 @@ def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
         generate = regen.vllm_generate(args.target, args.target_revision, args.trust_remote_code, stops, s)
         dtype = "auto"  # vLLM's choice
     else:
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        # auto: a GPU when there is one, but the static engine's is the CPU (it refuses any other)
+        gpu = torch.cuda.is_available() and args.backend != "static"
+        device = ("cuda" if gpu else "cpu") if args.device == "auto" else args.device
         torch_dtype = target_dtype(args.target_dtype, device)
         dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(torch_dtype, str(torch_dtype))
         target = load_target(args.target, revision=args.target_revision, device=device,

@@ -254,3 +254,30 @@ def test_a_data_folder_as_target_is_named_in_one_line(tmp_path, capsys):
                             str(ROOT / "data" / "tiny"), "--output", str(tmp_path / "out")])
     assert "is not a model folder: it has no config.json and no tokenizer" in line
     assert not (tmp_path / "out").exists()
+
+
+# --- a device this torch cannot use: one line before anything loads (issue 42) -------------------
+@pytest.mark.parametrize("backend", ["transformers", "static"])
+@pytest.mark.parametrize("device, says", [
+    ("cuda", "--device cuda: "), ("cuda:3", "--device cuda:3: "), ("gpu", "--device 'gpu' is not a device"),
+    ("meta", "--device 'meta': use auto, cpu, cuda or cuda:N"),
+])
+def test_a_device_torch_cannot_use_is_one_line(tmp_path, capsys, monkeypatch, backend, device, says):
+    """On a CPU build of torch --device cuda was a traceback once the target had loaded (AssertionError:
+    Torch not compiled with CUDA enabled), for both backends; the static engine is the CPU's alone."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's torch, wherever it runs
+    out = tmp_path / "out"
+    line = refused(capsys, argv(rows(tmp_path / "in.jsonl"), out, "--device", device, "--backend", backend))
+    assert says in line and not out.exists() and not (tmp_path / "out.work").exists()
+    if backend == "static" and device.startswith("cuda"):
+        assert "--backend static runs on the CPU" in line
+    elif device.startswith("cuda"):
+        assert "sees no CUDA device" in line
+
+
+def test_static_backend_on_auto_runs_on_the_cpu_beside_a_gpu(tmp_path, monkeypatch):
+    """--device auto picked cuda beside a GPU, which the static engine then refused after loading."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out = tmp_path / "out"
+    prepare.main(argv(rows(tmp_path / "in.jsonl"), out, "--backend", "static"))
+    assert json.loads((out / "prepare_info.json").read_text())["regeneration"]["backend"] == "static"

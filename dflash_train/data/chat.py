@@ -375,18 +375,16 @@ SAME_ROWS = ("format", "enable_thinking", "max_length", "min_supervised_tokens")
 
 def read_prepared(folder: Path) -> tuple[dict, dict[str, list[tuple[list[int], list[int]]]]]:
     """A dflash-prepare output -> (its prepare_info, {split: rows}) with splits train + val, or all."""
-    if not (folder / INFO_FILE).is_file():
-        raise UserError(f"--append-to '{folder}' is not a dflash-prepare output (no {INFO_FILE} in it)")
-    info = json.loads((folder / INFO_FILE).read_text())
+    info = read_prepare_info(folder)
     splits = {}
-    for name in info.get("splits", {}):
+    for name in info["splits"]:
         path = folder if name == "all" else folder / name
         try:
             ds = Dataset.load_from_disk(str(path))
+            splits[name] = list(zip(ds["input_ids"], ds["loss_mask"]))
         except Exception as e:  # datasets raises many types for damaged folders
             raise UserError(f"--append-to '{folder}': split {name} cannot be read "
                             f"({type(e).__name__})") from None
-        splits[name] = list(zip(ds["input_ids"], ds["loss_mask"]))
     if not splits:
         raise UserError(f"--append-to '{folder}': its {INFO_FILE} names no splits")
     return info, splits
@@ -402,12 +400,31 @@ def weights_key(pin: dict | None) -> str | None:
     return f"{pin.get('name_or_path')}@{pin.get('revision')}"
 
 
+def read_prepare_info(folder: Path) -> dict:
+    """--append-to's prepare_info.json, with the parts read of it in the shape dflash-prepare writes
+    them: a cut or edited file is one line, not a traceback."""
+    if not (folder / INFO_FILE).is_file():
+        raise UserError(f"--append-to '{folder}' is not a dflash-prepare output (no {INFO_FILE} in it)")
+    try:
+        info = json.loads((folder / INFO_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"--append-to '{folder}': its {INFO_FILE} is damaged ({type(e).__name__}: {e}); "
+                        "prepare it again") from None
+    shaped = (isinstance(info, dict) and isinstance(info.get("splits"), dict)
+              and set(info["splits"]) <= {"all", "train", "val"}
+              and all(isinstance(info.get(k, {}), dict) for k in ("template", "target", "tokenizer")))
+    if not shaped:
+        raise UserError(f"--append-to '{folder}': its {INFO_FILE} is damaged (its splits, template, target or "
+                        "tokenizer are not what dflash-prepare writes); prepare it again")
+    return info
+
+
 def check_appendable(info: dict, mine: dict, folder: Path) -> None:
     """The rows of `info`'s prepare run and of this one (`mine`: the same fields) must be the same kind:
     the same chat template, tokenizer and target weights (by content, not by path: a copy of the target
     elsewhere appends, other weights under the same path do not), and the same settings."""
-    name = info["target"]["name_or_path"]
-    if info["template"]["sha256"] != mine["template"]["sha256"]:
+    name = info.get("target", {}).get("name_or_path")
+    if info.get("template", {}).get("sha256") != mine["template"]["sha256"]:
         raise UserError(f"--append-to '{folder}' was prepared with another chat template (target '{name}')")
     old_tok = info.get("tokenizer", {}).get("sha256")
     if old_tok is None:
@@ -416,7 +433,7 @@ def check_appendable(info: dict, mine: dict, folder: Path) -> None:
     if old_tok != mine["tokenizer"]["sha256"]:
         raise UserError(f"--append-to '{folder}' was prepared with another tokenizer (target '{name}', "
                         f"tokenizer sha256 {old_tok[:12]} vs {mine['tokenizer']['sha256'][:12]})")
-    old_w, new_w = weights_key(info["target"].get("weights")), weights_key(mine["target"]["weights"])
+    old_w, new_w = weights_key(info.get("target", {}).get("weights")), weights_key(mine["target"]["weights"])
     if old_w is None:
         raise UserError(f"--append-to '{folder}' records no pin of its target's weights (an older "
                         "dflash-prepare, or weights it could not pin): prepare it again to append to it")

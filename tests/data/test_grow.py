@@ -142,6 +142,25 @@ def test_an_output_that_records_no_key_is_refused(grown, tmp_path, drop, expecte
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("damage", ["cut", "not_an_object", "split_elsewhere", "not_text", "template_null"])
+def test_a_damaged_prepare_info_is_one_line(grown, tmp_path, damage):
+    _, small, _ = grown
+    old = tmp_path / "old"
+    shutil.copytree(small, old)
+    path = old / "prepare_info.json"
+    info = json.loads(path.read_text())
+    path.write_bytes({"cut": path.read_bytes()[:60], "not_an_object": b"[]", "not_text": b"\xff\xfe\x00",
+                      "split_elsewhere": json.dumps(info | {"splits": {"../../x": 1}}).encode(),
+                      "template_null": json.dumps(info | {"template": None}).encode()}[damage])
+    before = tree(old)
+    args = ["--input", corpus(tmp_path / "c.jsonl", 50), "--format", "messages", "--target", TINY_TARGET,
+            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / "out", "--append-to", old]
+    code, _, err = run_main(prepare_cli.main, args)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1 and f"--append-to '{old}': its prepare_info.json is damaged" in errors[0]
+    assert not (tmp_path / "out").exists() and tree(old) == before
+
+
 def test_a_copy_of_the_target_elsewhere_appends(grown, tmp_path):
     """The key is the content: the same weights and tokenizer at another path are the same target."""
     d, small, big = grown

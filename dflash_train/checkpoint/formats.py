@@ -235,9 +235,9 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
                                 **VARIANTS[config["speculators_model_type"]].from_speculators(config),
                                 draft_vocab_size=_speculators_draft_vocab(config))
             verifier = config.get("speculators_config", {}).get("verifier", {})
+            pin = config.get("verifier_pin") or {}
             return cfg, {"format": fmt, "target": {"name_or_path": verifier.get("name_or_path"),
-                                                   "revision": (config.get("verifier_pin")
-                                                                or {}).get("revision")},
+                                                   "revision": pin.get("revision"), "pin": pin or None},
                          "mask_token": extra.get("mask_token")}
         dflash = config["dflash_config"]
         block = config.get("block_size") or dflash["block_size"]
@@ -250,7 +250,8 @@ def drafter_config_from(config: dict) -> tuple[DrafterConfig, dict]:
                                                              else causal))
         pin = config.get("verifier_pin") or {}
         return cfg, {"format": fmt,
-                     "target": {"name_or_path": pin.get("name_or_path"), "revision": pin.get("revision")},
+                     "target": {"name_or_path": pin.get("name_or_path"), "revision": pin.get("revision"),
+                                "pin": pin or None},
                      "mask_token": (config.get("dflash_train") or {}).get("mask_token")}
     except (KeyError, TypeError) as e:
         raise UserError(f"{fmt} config.json is missing or has a malformed field: {e}") from e

@@ -37,8 +37,8 @@ from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_or
 from dflash_train.model.cpu_linear import CHOICES as CPU_LINEAR_CHOICES
 from dflash_train.model.cpu_linear import use_stream_linear
 from dflash_train.model.gqa_attention import use_gqa_sdpa
-from dflash_train.model.target import (check_positions, config_positions, load_target, round_weights_to_bf16,
-                                       target_dtype)
+from dflash_train.model.target import (check_positions, config_positions, load_target, locate_verifier,
+                                       round_weights_to_bf16, target_dtype)
 from dflash_train.training.config import MAX_TREE_BUDGET
 
 # --target-dtype: bf16 weight values held in fp32 (model/target.py round_weights_to_bf16)
@@ -200,8 +200,13 @@ def run(args, argv) -> None:
     device = args.device
     bf16_weights = args.target_dtype == BF16_WEIGHTS
     dtype = target_dtype("fp32" if bf16_weights else args.target_dtype, device)
+    # the report names the target as the drafter does (a Hub id it is pinned to), wherever it loaded from
     target_id = args.target or meta["target"]["name_or_path"]
-    target = load_target(target_id, revision=args.target_revision or (None if args.target
+    source, chosen = (args.target, None) if args.target else locate_verifier(
+        target_id, meta["target"].get("pin"), "--target")
+    if chosen:
+        print(chosen, file=sys.stderr)
+    target = load_target(source, revision=args.target_revision or (None if args.target
                                                                       else meta["target"]["revision"]),
                          dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
     check_matches_target(drafter.config, target)

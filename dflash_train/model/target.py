@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.utils import logging as hf_logging
 
 from dflash_train.core.errors import UserError
-from dflash_train.core.paths import model_source, resolve_input
+from dflash_train.core.outputs import MARKER
+from dflash_train.core.paths import ROOT, display_path, is_hub_id, model_source, resolve_input
 
 SNAPSHOT = re.compile(r"models--(?P<org>[^/]+?)--(?P<name>[^/]+)/snapshots/(?P<sha>[0-9a-f]{40})")
 
@@ -238,9 +239,24 @@ def weights_sha256(files: list[Path]) -> str:
     return digest
 
 
+def converted_model(folder: Path) -> dict:
+    """What `make real-target` recorded of a model folder it converted (hub_id, converted_from); {} for
+    any other folder."""
+    try:
+        record = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict) or record.get("kind") != "real-target" or not isinstance(
+            record.get("hub_id"), str) or not is_hub_id(record["hub_id"]):
+        return {}
+    return {k: record[k] for k in ("hub_id", "converted_from") if isinstance(record.get(k), str)}
+
+
 def resolve_pin(verifier: str, revision: str | None) -> dict:
     """How the verifier is pinned: an explicit revision, the commit of a Hub cache snapshot, or
-    (plain local folder) the SHA-256 of its safetensors files."""
+    (plain local folder) the SHA-256 of its safetensors files. A folder `make real-target` converted
+    is named by its Hub id (as a published drafter names its verifier), pinned by that SHA-256:
+    its weights are the converted ones, which the Hub's own files need not equal byte for byte."""
     if revision:
         return {"name_or_path": verifier, "kind": "revision", "revision": revision}
     local = Path(verifier)
@@ -251,8 +267,10 @@ def resolve_pin(verifier: str, revision: str | None) -> dict:
         files = sorted(local.glob("*.safetensors"))
         if not files:
             raise UserError(f"cannot pin verifier '{verifier}': no safetensors weights to hash")
-        return {"name_or_path": verifier, "kind": "content_sha256", "revision": None,
-                "sha256": weights_sha256(files), "files": [f.name for f in files]}
+        about = converted_model(local)
+        return {"name_or_path": about.get("hub_id", verifier), "kind": "content_sha256", "revision": None,
+                "sha256": weights_sha256(files), "files": [f.name for f in files]} | (
+                    {"converted_from": about["converted_from"]} if "converted_from" in about else {})
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(verifier, "config.json")
@@ -261,3 +279,40 @@ def resolve_pin(verifier: str, revision: str | None) -> dict:
         raise UserError(f"cannot pin verifier '{verifier}': not in the local Hub cache; pass "
                         "--verifier-revision")
     return {"name_or_path": verifier, "kind": "hub_snapshot", "revision": m["sha"]}
+
+
+def pinned_by_content(pin: dict | None) -> bool:
+    return isinstance(pin, dict) and pin.get("kind") == "content_sha256" and isinstance(pin.get("sha256"), str)
+
+
+def matches_pin(folder: Path, pin: dict) -> bool:
+    """The folder's safetensors files are the pinned ones: same names, same SHA-256."""
+    files = sorted(folder.glob("*.safetensors"))
+    return bool(files) and [f.name for f in files] == list(pin.get("files") or [f.name for f in files]) \
+        and weights_sha256(files) == pin["sha256"]
+
+
+CONVERTED_DIR = ROOT / "data" / "real"  # where `make real-target` converts models (data/real_target.py)
+
+
+def local_candidates() -> list[Path]:
+    """Where a converted verifier may be: the models `make real-target` wrote under data/real/."""
+    base = CONVERTED_DIR
+    return sorted(p for p in base.iterdir() if p.is_dir() and converted_model(p)) if base.is_dir() else []
+
+
+def locate_verifier(name: str, pin: dict | None, flag: str) -> tuple[str, str | None]:
+    """The folder or Hub id to load a drafter's verifier from -> (source, what was chosen, or None).
+    A drafter exported against a model `make real-target` converted names it by Hub id and pins it by
+    the converted weights' SHA-256, which the Hub's files do not have: the verifier is the local
+    folder whose weights match that pin, on any machine. Anything else is loaded as named."""
+    if not pinned_by_content(pin) or not is_hub_id(name) or Path(resolve_input(name)).exists():
+        return name, None
+    for folder in local_candidates():
+        if matches_pin(folder, pin):
+            return str(folder), (f"verifier {name}: the local folder {display_path(folder)}, whose weights "
+                                 f"match its pin (sha256 {pin['sha256'][:12]})")
+    how = f" ({pin['converted_from']})" if pin.get("converted_from") else ""
+    raise UserError(f"verifier '{name}' is pinned by the sha256 of converted weights{how}, "
+                    f"{pin['sha256'][:12]}..., and no local folder has them: run `make real-target`, or "
+                    f"pass {flag} FOLDER")

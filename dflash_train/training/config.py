@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dflash_train.core.errors import UserError
-from dflash_train.core.paths import resolve_input
+from dflash_train.core.paths import display_path, resolve_input
 from dflash_train.core.seeds import SEED_LIMIT
 
 DEFAULT_RECIPE = "recipes/tiny.yaml"  # like every relative input: from the current folder, else the checkout
@@ -327,5 +327,24 @@ def load_recipe(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
         raise UserError(f"recipe '{path}': {_format_error(e)}") from e
 
 
+# Recipe keys naming inputs: compared as resolved paths on resume, so data/x and ./data/x/ are the same
+# input, and written relative to the checkout where they lie inside it.
+PATH_KEYS = {"model.target", "model.init_from", "data.train", "data.val", "data.hidden_state_cache"}
+
+
+def with_paths(recipe: dict, show) -> dict:
+    """The recipe with each path (PATH_KEYS and output_dir) replaced by show(path)."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in recipe.items()}
+    for key in (*PATH_KEYS, "output_dir"):
+        *section, name = key.split(".")
+        tree = out[section[0]] if section else out
+        if isinstance(tree, dict) and isinstance(tree.get(name), str):
+            tree[name] = show(tree[name])
+    return out
+
+
 def dump_recipe(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The recipe saved with a run: inputs inside the checkout relative to it (any clone resolves them
+    the same way); others absolute, as the run on this machine resumes from them."""
+    return yaml.safe_dump(with_paths(cfg.model_dump(mode="json"), lambda p: display_path(p, keep_outside=True)),
+                          sort_keys=False)

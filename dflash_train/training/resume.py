@@ -13,7 +13,7 @@ import yaml
 from dflash_train.checkpoint.folders import newest_checkpoint, write_checkpoint
 from dflash_train.core.errors import UserError
 from dflash_train.core.paths import resolve_input
-from dflash_train.training.config import RunConfig, dump_recipe
+from dflash_train.training.config import PATH_KEYS, RunConfig, dump_recipe
 from dflash_train.training.engines import full_model_state, full_optimizer_state
 
 DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/step_N/
@@ -21,8 +21,6 @@ DEEPSPEED_STATE = "deepspeed"  # the engine's own checkpoint inside checkpoints/
 # affect the math; a run folder may be moved or copied; the deploy budget only names a checkpoint).
 RESUMABLE_CHANGES = {"output_dir", "overwrite", "log_every", "checkpoint_every", "wandb",
                      "eval.deploy_budget"}
-# Recipe keys naming inputs: compared as resolved paths, so data/x and ./data/x/ are the same input.
-PATH_KEYS = {"model.target", "model.init_from", "data.train", "data.val", "data.hidden_state_cache"}
 
 
 def saved_recipe(checkpoint: Path) -> dict:

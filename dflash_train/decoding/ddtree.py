@@ -54,9 +54,18 @@ def top_k_log_probs(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, t
     """draft_logits [L, V] -> (logp [L, k] float32, ids [L, k] long), best first per depth.
     The normaliser is over the full vocabulary, so logp are true log-probs, not top-k renormalised."""
     logits = draft_logits.float()
-    values, ids = torch.topk(logits, k, dim=-1)                     # [L, k], [L, k]
-    logp = values - torch.logsumexp(logits, dim=-1, keepdim=True)  # [L, k]
+    values, ids = torch.topk(logits, k, dim=-1)  # [L, k], [L, k]
+    peak = values[:, :1] if k > 0 else logits.amax(-1, keepdim=True)  # [L, 1] each row's max
+    logp = values - log_normaliser(logits, peak)  # [L, k]
     return logp, ids
+
+
+def log_normaliser(logits: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(logits, -1, keepdim=True), bit for bit, given each row's max (peak [L, 1],
+    the top-K's first value): torch's own steps (an infinite max shifts by 0, as there), less its
+    pass over the [L, V] logits to find the max and one [L, V] temporary (exp in place)."""
+    shift = peak.masked_fill(peak.abs() == math.inf, 0)  # [L, 1]
+    return torch.sub(logits, shift).exp_().sum(-1, keepdim=True).log_().add_(shift)  # [L, 1]
 
 
 def best_first(expand, root_token: int, root_carry, L: int, budget: int):

@@ -147,6 +147,28 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return read_safetensors(folder / "model.safetensors")
 
 
+def _tokens_kept(name: str, t: torch.Tensor) -> int:
+    if name == "t2d":  # [V] marks of the kept target ids
+        return int(t.sum())
+    return t.shape[0] if t.dim() else 1  # d2t [N], lm_head [N, H]
+
+
+def check_no_draft_vocab_tensors(state: dict[str, torch.Tensor], cfg: DrafterConfig, path) -> None:
+    """A config without a draft vocabulary, weights with one (a Speculators config that lost its
+    draft_vocab_size): the drafter would be read as a full-vocabulary one, its own head and maps
+    dropped as the verifier's. Tensors of the whole vocabulary (the verifier's head, identity maps:
+    speculators ignores those too) say nothing against the config."""
+    if cfg.draft_vocab_size is not None:
+        return
+    V = cfg.vocab_size
+    found = {name: _tokens_kept(name, state[name]) for name in ("d2t", "t2d", "lm_head.weight") if name in state}
+    smaller = [n for n in found.values() if n < V]
+    if smaller:
+        raise UserError(f"'{path}': the config and the weights disagree: the config gives no draft vocabulary "
+                        f"(no draft_vocab_size below {V}), the weights carry one of {max(smaller)} tokens "
+                        f"({', '.join(sorted(found))}): set draft_vocab_size in its config.json, or drop them")
+
+
 def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
     """Load a drafter in our format, the Speculators format or the native DFlash format
     (a folder or a Hub id). Every weight name and shape must match its config.
@@ -156,6 +178,7 @@ def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:
     drafter = DFlashDrafter(cfg)
     state = read_weights(folder)
     expected = drafter.state_dict()
+    check_no_draft_vocab_tensors(state, cfg, path)
     # Speculators may also save verifier-owned tensors (embeddings, LM head): not ours to load,
     # unless the drafter has a draft vocabulary, whose lm_head / d2t / t2d are its own.
     state = {k: v for k, v in state.items() if k not in SPECULATORS_VERIFIER_KEYS or k in expected}

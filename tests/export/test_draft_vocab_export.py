@@ -223,3 +223,41 @@ def test_a_draft_vocabulary_of_the_whole_vocabulary_is_refused(tiny_target, tmp_
     with pytest.raises(UserError, match="below the target's vocabulary"):
         drafter_config_for(tiny_target, ModelConfig(num_layers=1, draft_vocab_size=V))
     drafter_config_for(tiny_target, ModelConfig(num_layers=1, draft_vocab_size=V - 1))  # the largest allowed
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "ours"])
+def test_a_config_that_lost_its_draft_vocabulary_is_refused_on_load(exports, trained, tmp_path, fmt):
+    """A Speculators config without draft_vocab_size whose weights carry lm_head / d2t / t2d was evaluated
+    (dflash-eval --drafter) as a full-vocabulary drafter, the three tensors dropped as the verifier's:
+    the config and the weights disagree, one line."""
+    from dflash_train.cli.eval import main as eval_main
+
+    bad = tmp_path / "bad"
+    shutil.copytree(exports / "fp32" if fmt == "speculators" else trained, bad)
+    config = json.loads((bad / "config.json").read_text())
+    if fmt == "speculators":
+        del config["draft_vocab_size"]
+    else:
+        config["drafter"]["draft_vocab_size"] = None
+    (bad / "config.json").write_text(json.dumps(config))
+    code, _, stderr = run_main(eval_main, ["--drafter", bad, "--budgets", "8", "--limit", "1", "--max-new-tokens", "8",
+                                           "--output", tmp_path / "e"])
+    assert code == 2 and error_line(stderr) == (
+        f"error: '{bad}': the config and the weights disagree: the config gives no draft vocabulary (no "
+        f"draft_vocab_size below {V}), the weights carry one of {DRAFT_VOCAB} tokens (d2t, lm_head.weight, t2d): "
+        "set draft_vocab_size in its config.json, or drop them")
+    assert not (tmp_path / "e").exists()
+
+
+def test_whole_vocabulary_maps_and_the_verifiers_head_beside_a_full_vocabulary_drafter_still_load(
+        fresh_drafter_dir, tiny_target, tmp_path):
+    """What speculators itself ignores beside a full-vocabulary drafter (identity d2t / t2d, the verifier's
+    lm_head) says nothing against its config: still loaded, still dropped."""
+    folder = tmp_path / "full"
+    shutil.copytree(fresh_drafter_dir, folder)
+    tensors = load_file(folder / "model.safetensors")
+    extra = {"d2t": torch.zeros(V, dtype=torch.int64), "t2d": torch.ones(V, dtype=torch.bool),
+             "lm_head.weight": tiny_target.lm_head.weight.detach().clone()}
+    save_file({**tensors, **extra}, folder / "model.safetensors")
+    drafter, _ = load_drafter(folder)
+    assert drafter.lm_head is None and set(drafter.state_dict()) == set(tensors)

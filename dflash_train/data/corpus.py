@@ -23,13 +23,14 @@ import json
 import os
 import random
 import time
+import zlib
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import file_sha256
+from dflash_train.core.outputs import check_folder_path, file_sha256
 from dflash_train.core.paths import ROOT
 from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import template_sha256
@@ -60,15 +61,41 @@ def select_prompts(sharegpt: Path, tokenizer, n: int, max_prompt_tokens: int, se
     return picked
 
 
+def read_info(out: Path) -> dict:
+    """The corpus's info.json ({} when there is none yet); a damaged one is one line."""
+    if not (out / INFO).is_file():
+        return {}
+    try:
+        info = json.loads((out / INFO).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise damaged(out, INFO, f"{type(e).__name__}: {e}") from None
+    if not isinstance(info, dict) or not isinstance(info.get("generation"), dict):
+        raise damaged(out, INFO, "not the object this builder writes")
+    return info
+
+
+def damaged(out: Path, name: str, why: str) -> UserError:
+    return UserError(f"the corpus in '{out}' is damaged ({name}: {why}): restore it (the committed one with "
+                     "git checkout), or choose another --output")
+
+
 def seed_work(out: Path, work: Path) -> None:
-    """A fresh clone has the corpus but no work folder: rebuild done.jsonl from the committed rows."""
+    """A fresh clone has the corpus but no work folder: rebuild done.jsonl from the committed rows
+    (all of them read and checked before anything is written)."""
     if (work / regen.DONE_FILE).exists() or not (out / INFO).is_file():
         return
-    info = json.loads((out / INFO).read_text())
-    rows = [json.loads(line) for line in gzip.open(out / CONVERSATIONS, "rt")]
-    done = [{"i": r["i"], "key": r["key"], "messages": r["messages"], "tokens": r["tokens"]} for r in rows]
-    done += [{"i": int(i), "key": d["key"], "dropped": d["reason"], "tokens": d["tokens"]}
-             for i, d in info["dropped_rows"].items()]
+    info = read_info(out)
+    try:
+        with gzip.open(out / CONVERSATIONS, "rt") as f:
+            rows = [json.loads(line) for line in f]
+        done = [{"i": r["i"], "key": r["key"], "messages": r["messages"], "tokens": r["tokens"]} for r in rows]
+    except (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError) as e:  # cut, edited, not gzip
+        raise damaged(out, CONVERSATIONS, f"{type(e).__name__}: {e}") from None
+    try:
+        done += [{"i": int(i), "key": d["key"], "dropped": d["reason"], "tokens": d["tokens"]}
+                 for i, d in info["dropped_rows"].items()]
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        raise damaged(out, INFO, f"dropped_rows: {type(e).__name__}: {e}") from None
     work.mkdir(parents=True, exist_ok=True)
     (work / regen.SETTINGS_FILE).write_text(json.dumps(info["generation"], indent=2) + "\n")
     (work / regen.DONE_FILE).write_text("".join(json.dumps(r) + "\n"
@@ -129,8 +156,10 @@ def main(argv=None):
     target_dir, sharegpt = real / MODEL_DIR, real / "prompts" / "sharegpt.jsonl"
     if not (target_dir / "config.json").is_file() or not sharegpt.is_file():
         raise UserError(f"'{real}' has no converted SmolLM2 or ShareGPT prompts: run make real-target first")
+    check_folder_path(out, "--output")
     if out.exists() and not (out / INFO).is_file() and any(out.iterdir()):
         raise UserError(f"'{out}' exists and is not a corpus folder (no {INFO}): choose another --output")
+    old = read_info(out)
     out.mkdir(parents=True, exist_ok=True)
     work = out / ".work"
     seed_work(out, work)
@@ -157,7 +186,6 @@ def main(argv=None):
                         "licence": "none stated (scraped shared ChatGPT conversations, ShareGPT V3)"},
             "generation": record, "engine": {"backend": "static", "slots": args.slots,
                                              "threads": torch.get_num_threads()}}
-    old = json.loads((out / INFO).read_text()) if (out / INFO).is_file() else {}
     clock = {"seconds": old.get("generation_seconds", 0.0), "run_seconds": 0.0, "run_tokens": 0}
 
     def generate(chunk: list[list[int]], seed: int) -> list[regen.Generation]:

@@ -5,9 +5,10 @@ import gzip
 import json
 import shutil
 
+import pytest
 from datasets import load_from_disk
 
-from conftest import ROOT, TINY_TARGET, run_main
+from conftest import ROOT, TINY_TARGET, error_line, run_main
 from dflash_train.cli import prepare
 from dflash_train.data import corpus
 from dflash_train.data import regenerate as regen
@@ -97,3 +98,72 @@ def test_a_damaged_gzip_input_is_one_line(tmp_path):
     code, _, err = run_main(prepare.main, ["--input", str(bad), "--format", "messages", "--target",
                                            str(TINY_TARGET), "--output", str(tmp_path / "p")])
     assert code == 2 and "cannot be read" in err and not (tmp_path / "p").exists()
+
+
+# --- the builder itself on the tiny target (issue 42) ---------------------------------------------
+QUESTIONS = ["Hi", "What is 2+2?", "Name a colour.", "Say yes.", "Count to three.", "Who are you?"]
+SMALL = ["--conversations", "4", "--chunk", "2", "--slots", "2", "--max-new-tokens", "4", "--max-prompt-tokens", "64"]
+
+
+def fake_real(folder):
+    """make real-target's layout with the tiny target as 'SmolLM2' and six ShareGPT prompts."""
+    shutil.copytree(TINY_TARGET, folder / corpus.MODEL_DIR)
+    (folder / "prompts").mkdir()
+    (folder / "prompts" / "sharegpt.jsonl").write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in QUESTIONS))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """A corpus of 4 prompts built in chunks of 2, and make real-target's folder it came from."""
+    d = tmp_path_factory.mktemp("corpus")
+    real = fake_real(d / "real")
+    code, out, err = run_main(corpus.main, ["--real", real, "--output", d / "built", *SMALL])
+    assert code == 0 and "holds 4 conversations" in out, err[-2000:]
+    return real, d / "built"
+
+
+def clone(built, tmp_path, work=False):
+    """The built corpus as committed (no .work: a fresh clone), or with its work folder."""
+    out = tmp_path / "corpus"
+    shutil.copytree(built[1], out, ignore=None if work else shutil.ignore_patterns(".work"))
+    return out
+
+
+def files(out):
+    return {name: (out / name).read_bytes() for name in (corpus.CONVERSATIONS, corpus.INFO)}
+
+
+@pytest.mark.parametrize("damage", ["gzip_cut", "not_gzip", "row_not_an_object", "info_cut", "info_no_generation",
+                                    "dropped_rows_a_list", "gzip_missing"])
+def test_a_damaged_corpus_on_a_fresh_clone_is_one_line(built, tmp_path, damage):
+    out = clone(built, tmp_path)
+    gz, info = out / corpus.CONVERSATIONS, out / corpus.INFO
+    record = json.loads(info.read_text())
+    if damage == "gzip_cut":
+        gz.write_bytes(gz.read_bytes()[:30])
+    if damage == "not_gzip":
+        gz.write_text("not gzip")
+    if damage == "row_not_an_object":
+        with gzip.open(gz, "wt") as f:
+            f.write("[1, 2]\n")
+    if damage == "gzip_missing":
+        gz.unlink()
+    if damage == "info_cut":
+        info.write_text(info.read_text()[:50])
+    if damage == "info_no_generation":
+        info.write_text(json.dumps({k: v for k, v in record.items() if k != "generation"}))
+    if damage == "dropped_rows_a_list":
+        info.write_text(json.dumps(record | {"dropped_rows": [1]}))
+    before = sorted(p.name for p in out.iterdir())
+    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL])
+    assert code == 2 and f"the corpus in '{out}' is damaged (" in error_line(err)
+    assert sorted(p.name for p in out.iterdir()) == before  # no work folder seeded from it
+
+
+@pytest.mark.parametrize("where, says", [("", "is a file, not a folder"), ("sub", "cannot be created: '")])
+def test_an_output_naming_a_file_is_one_line(built, tmp_path, where, says):
+    (tmp_path / "f").write_text("mine")
+    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", tmp_path / "f" / where, *SMALL])
+    assert code == 2 and says in error_line(err) and (tmp_path / "f").read_text() == "mine"

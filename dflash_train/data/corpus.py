@@ -102,19 +102,34 @@ def seed_work(out: Path, work: Path) -> None:
                                                 for r in sorted(done, key=lambda r: r["i"])))
 
 
-def publish(out: Path, work: Path, info: dict) -> dict:
-    """Rewrite conversations.jsonl.gz and info.json from the work folder's finished rows."""
+def done_rows(work: Path) -> dict[int, dict]:
+    """The work folder's finished prompts by index (a line cut by an interruption left out; other bad
+    lines too, which regenerate() refuses as damage before anything is published)."""
     done = {}
-    for line in (work / regen.DONE_FILE).read_text().splitlines():
+    path = work / regen.DONE_FILE
+    for line in (path.read_text(errors="replace").splitlines() if path.is_file() else []):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:
             continue
-        done[row["i"]] = row
+        if isinstance(row, dict) and isinstance(row.get("i"), int):
+            done[row["i"]] = row
+    return done
+
+
+def finished_prefix(work: Path) -> list[dict]:
+    """Prompts 0..n-1, all finished: a later chunk finished out of order waits for its turn."""
+    done = done_rows(work)
     n = 0
-    while n in done:  # the finished prefix: a later chunk finished out of order waits for its turn
+    while n in done:
         n += 1
-    rows = [done[i] for i in range(n)]
+    return [done[i] for i in range(n)]
+
+
+def publish(out: Path, work: Path, info: dict) -> dict:
+    """Rewrite conversations.jsonl.gz and info.json from the work folder's finished rows."""
+    rows = finished_prefix(work)
+    n = len(rows)
     kept = [r for r in rows if "messages" in r]
     tmp = out / (CONVERSATIONS + ".part")
     with gzip.open(tmp, "wt", compresslevel=9) as f:
@@ -186,7 +201,7 @@ def main(argv=None):
                         "licence": "none stated (scraped shared ChatGPT conversations, ShareGPT V3)"},
             "generation": record, "engine": {"backend": "static", "slots": args.slots,
                                              "threads": torch.get_num_threads()}}
-    clock = {"seconds": old.get("generation_seconds", 0.0), "run_seconds": 0.0, "run_tokens": 0}
+    clock = {"seconds": old.get("generation_seconds", 0.0), "run_seconds": 0.0, "run_tokens": 0, "chunks": 0}
 
     def generate(chunk: list[list[int]], seed: int) -> list[regen.Generation]:
         # regenerate() has flushed every earlier chunk to done.jsonl: publish them before this one runs
@@ -196,11 +211,18 @@ def main(argv=None):
         clock["seconds"] += time.time() - t
         clock["run_seconds"] += time.time() - t
         clock["run_tokens"] += sum(len(g.tokens) for g in gens)
+        clock["chunks"] += 1
         print(f"corpus: +{len(chunk)} answers, {timing(clock)['answer_tokens_per_s_last_run']} tok/s",
               flush=True)
         return gens
 
     regen.regenerate(prompts, tok, generate, s, work, record)
+    if not clock["chunks"] and old.get("prompts_answered") == len(finished_prefix(work)):
+        # Nothing answered and nothing left to publish: the committed files stay byte for byte (a
+        # rewrite changed the gzip's timestamp, and info.json's speed and engine to this run's).
+        print(f"corpus: {out} already holds {old.get('conversations')} conversations "
+              f"({old['prompts_answered']} prompts): nothing to do, nothing written")
+        return
     info = publish(out, work, info | timing(clock))
     print(f"corpus: {out} holds {info['conversations']} conversations ({info['prompts_answered']} prompts, "
           f"{info['answer_tokens']} answer tokens)")

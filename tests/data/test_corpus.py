@@ -135,6 +135,27 @@ def files(out):
     return {name: (out / name).read_bytes() for name in (corpus.CONVERSATIONS, corpus.INFO)}
 
 
+@pytest.mark.parametrize("work", [False, True])
+def test_a_rerun_with_nothing_to_do_writes_nothing(built, tmp_path, work):
+    """The same command again, on a fresh clone or beside its work folder: the gzip's bytes (its header
+    carries a timestamp) and info.json (speed, engine) were rewritten with this run's, wrongly."""
+    out = clone(built, tmp_path, work)
+    before = files(out)
+    code, stdout, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL, "--slots", "3"])
+    assert code == 0 and "nothing to do, nothing written" in stdout, err[-2000:]
+    assert files(out) == before
+
+
+def test_growing_appends_and_records_the_run(built, tmp_path):
+    out = clone(built, tmp_path)
+    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL, "--conversations", "6"])
+    assert code == 0, err[-2000:]
+    info = json.loads((out / corpus.INFO).read_text())
+    rows = [json.loads(line) for line in gzip.open(out / corpus.CONVERSATIONS, "rt")]
+    old = [json.loads(line) for line in gzip.open(built[1] / corpus.CONVERSATIONS, "rt")]
+    assert info["prompts_answered"] == 6 and rows[:len(old)] == old
+
+
 @pytest.mark.parametrize("damage", ["gzip_cut", "not_gzip", "row_not_an_object", "info_cut", "info_no_generation",
                                     "dropped_rows_a_list", "gzip_missing"])
 def test_a_damaged_corpus_on_a_fresh_clone_is_one_line(built, tmp_path, damage):

@@ -57,9 +57,9 @@ def draft_vocab_size(m: ModelConfig, tc) -> int | None:
 
 
 def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds, val_ds=None) -> dict | None:
-    """Build a fresh drafter's draft vocabulary from data.train's supervised tokens and fill its frozen
-    head from the target's; a drafter that has one (model.init_from) keeps it. -> what was built
-    (size, coverage of data.train's supervised tokens and of val_ds's: held out, the honest one)
+    """Build a fresh drafter's draft vocabulary from data.train's supervised tokens (a drafter that has
+    one, from model.init_from, keeps it) and fill its frozen head with this target's rows. -> what was
+    built (size, coverage of data.train's supervised tokens and of val_ds's: held out, the honest one)
     or None without a draft vocabulary."""
     if drafter.lm_head is None:
         return None
@@ -69,7 +69,9 @@ def attach_draft_vocab(drafter: DFlashDrafter, target: Target, train_ds, val_ds=
     else:
         vocab = build_draft_vocab(counts, drafter.config.draft_vocab_size, drafter.config.vocab_size,
                                   stop_token_ids(target.model, target.tokenizer))
-        drafter.set_draft_vocab(vocab, target.lm_head.weight)
+    # The head is the target's, frozen: an init_from drafter's rows are of the target it was trained
+    # against, which may be another one of this shape (check_matches_target); the rows of this one.
+    drafter.set_draft_vocab(vocab, target.lm_head.weight)
     out = {"size": vocab.size, "coverage": round(vocab.coverage(counts), 4)}
     if val_ds is not None:
         out["val_coverage"] = round(vocab.coverage(count_supervised(zip(val_ds["input_ids"],

@@ -1,6 +1,10 @@
 """The committed SmolLM2 corpus: ShareGPT first turns answered by SmolLM2-135M-Instruct itself.
 
-    make real-target && python -m dflash_train.data.corpus --conversations 3000
+    make real-target && OMP_NUM_THREADS=1 python -m dflash_train.data.corpus --conversations 3000 \
+        --chunk 128 --slots 64
+
+is the command that built the committed corpus. Extending it takes the same --chunk (part of the resume
+key; --slots may change); a rerun with nothing to do writes nothing.
 
 Writes `data/smollm2-135m-corpus/`: `conversations.jsonl.gz` (`{"messages": [...]}` rows, read by
 `dflash-prepare --format messages`; each row also carries its prompt index `i`, its prompt `key` and its
@@ -10,7 +14,8 @@ every chunk, so the folder is always a whole corpus that can be committed as it 
 
 - Prompts: the ShareGPT training prompts of `make real-target` (eval prompts already removed there) in one
   seeded order, those whose chat prompt fits --max-prompt-tokens; prompt i is the same in every run, so a
-  later run with a larger --conversations appends, and a killed run continues.
+  later run with a larger --conversations appends, and a killed run continues; fewer than are answered
+  is refused (the corpus is never cut).
 - Answers: greedy, fp32 (this CPU has no native bf16), by the static engine (engine.py: continuous
   batching over a static KV cache), through regenerate.regenerate and its resumable work folder
   `<out>/.work/` (ignored by git). With no work folder (a fresh clone), the work is seeded from the
@@ -88,7 +93,8 @@ def seed_work(out: Path, work: Path) -> None:
     try:
         with gzip.open(out / CONVERSATIONS, "rt") as f:
             rows = [json.loads(line) for line in f]
-        done = [{"i": r["i"], "key": r["key"], "messages": r["messages"], "tokens": r["tokens"]} for r in rows]
+        done = [{"i": r["i"], "key": r["key"], "messages": r["messages"], "tokens": r["tokens"]}
+                for r in rows]
     except (OSError, EOFError, zlib.error, ValueError, KeyError, TypeError) as e:  # cut, edited, not gzip
         raise damaged(out, CONVERSATIONS, f"{type(e).__name__}: {e}") from None
     try:
@@ -155,13 +161,42 @@ def parse_args(argv=None):
     p.add_argument("--conversations", type=int, default=3000, help="prompts to answer in all (appends)")
     p.add_argument("--max-prompt-tokens", type=int, default=192)
     p.add_argument("--max-new-tokens", type=int, default=256, help="per answer; a cut answer is kept, marked")
-    p.add_argument("--chunk", type=int, default=96, help="prompts per resumable chunk")
+    p.add_argument("--chunk", type=int, default=96,
+                   help="prompts per resumable chunk; part of the resume key (the committed corpus: 128)")
     p.add_argument("--slots", type=int, default=48, help="answers decoded together")
     args = p.parse_args(argv)
     for name in ["conversations", "max_prompt_tokens", "max_new_tokens", "chunk", "slots"]:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     return args
+
+
+# The resume key's entries set by a flag (regenerate.Sampling / the record): named as the user types them.
+FLAGS = {"batch_size": "--chunk", "max_new_tokens": "--max-new-tokens",
+         "max_prompt_tokens": "--max-prompt-tokens"}
+
+
+def check_flags(out: Path, work: Path, args) -> None:
+    """Before the target loads: the flags in the work folder's resume key are this run's, and
+    --conversations does not ask for fewer prompts than are answered (the corpus is never cut).
+    regenerate() checks the rest of the key (target, template, stop tokens) in its own words."""
+    try:
+        made = json.loads((work / regen.SETTINGS_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        made = None  # none yet, or damaged: regenerate() says so
+    mine = {"batch_size": args.chunk, "max_new_tokens": args.max_new_tokens,
+            "max_prompt_tokens": args.max_prompt_tokens}
+    if isinstance(made, dict):
+        differ = [(FLAGS[k], made[k], v) for k, v in mine.items() if k in made and made[k] != v]
+        if differ:
+            theirs = " ".join(f"{flag} {was}" for flag, was, _ in differ)
+            ours = " ".join(f"{flag} {now}" for flag, _, now in differ)
+            raise UserError(f"'{out}' was built with {theirs} (this run: {ours}): rerun with {theirs} to "
+                            "extend it (docs/data.md gives the command that built the committed corpus)")
+    held = max(done_rows(work), default=-1) + 1
+    if args.conversations < held:
+        raise UserError(f"'{out}' already holds {held} answered prompts and is never cut: --conversations "
+                        f"{args.conversations} asks for fewer; ask for {held} or more to grow it")
 
 
 @cli_guard
@@ -175,9 +210,10 @@ def main(argv=None):
     if out.exists() and not (out / INFO).is_file() and any(out.iterdir()):
         raise UserError(f"'{out}' exists and is not a corpus folder (no {INFO}): choose another --output")
     old = read_info(out)
-    out.mkdir(parents=True, exist_ok=True)
     work = out / ".work"
     seed_work(out, work)
+    check_flags(out, work, args)
+    out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     target = load_target(str(target_dir), dtype=torch.float32)
     tok = target.tokenizer

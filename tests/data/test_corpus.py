@@ -156,6 +156,24 @@ def test_growing_appends_and_records_the_run(built, tmp_path):
     assert info["prompts_answered"] == 6 and rows[:len(old)] == old
 
 
+@pytest.mark.parametrize("extra, says", [
+    (["--chunk", "3"], "was built with --chunk 2 (this run: --chunk 3): rerun with --chunk 2 to extend it"),
+    (["--max-new-tokens", "5", "--max-prompt-tokens", "60"],
+     "was built with --max-new-tokens 4 --max-prompt-tokens 64 (this run: --max-new-tokens 5 "
+     "--max-prompt-tokens 60)"),
+    (["--conversations", "3"], "already holds 4 answered prompts and is never cut: --conversations 3 asks for "
+                               "fewer; ask for 4 or more to grow it"),
+])
+def test_other_flags_or_fewer_conversations_name_what_to_type(built, tmp_path, extra, says):
+    """'other settings (batch_size: 128 != 96)' named no flag (it is --chunk), and asking for fewer
+    prompts than the corpus holds said 'other input'."""
+    out = clone(built, tmp_path)
+    before = files(out)
+    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL, *extra])
+    assert code == 2 and says in error_line(err)
+    assert files(out) == before
+
+
 @pytest.mark.parametrize("damage", ["gzip_cut", "not_gzip", "row_not_an_object", "info_cut", "info_no_generation",
                                     "dropped_rows_a_list", "gzip_missing"])
 def test_a_damaged_corpus_on_a_fresh_clone_is_one_line(built, tmp_path, damage):

@@ -174,7 +174,8 @@ def check_device(p: argparse.ArgumentParser, text: str, backend: str) -> None:
                 "--backend transformers")
     if device.type == "cuda" and not torch.cuda.is_available():
         build = " (a CPU build)" if torch.version.cuda is None else ""
-        p.error(f"--device {text}: this torch {torch.__version__}{build} sees no CUDA device; use --device cpu")
+        p.error(f"--device {text}: this torch {torch.__version__}{build} sees no CUDA device; use --device "
+                "cpu")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         p.error(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 

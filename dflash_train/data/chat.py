@@ -414,8 +414,8 @@ def read_prepare_info(folder: Path) -> dict:
               and set(info["splits"]) <= {"all", "train", "val"}
               and all(isinstance(info.get(k, {}), dict) for k in ("template", "target", "tokenizer")))
     if not shaped:
-        raise UserError(f"--append-to '{folder}': its {INFO_FILE} is damaged (its splits, template, target or "
-                        "tokenizer are not what dflash-prepare writes); prepare it again")
+        raise UserError(f"--append-to '{folder}': its {INFO_FILE} is damaged (its splits, template, target "
+                        "or tokenizer are not what dflash-prepare writes); prepare it again")
     return info
 
 
@@ -428,8 +428,8 @@ def check_appendable(info: dict, mine: dict, folder: Path) -> None:
         raise UserError(f"--append-to '{folder}' was prepared with another chat template (target '{name}')")
     old_tok = info.get("tokenizer", {}).get("sha256")
     if old_tok is None:
-        raise UserError(f"--append-to '{folder}' records no tokenizer hash (an older dflash-prepare wrote it): "
-                        "prepare it again to append to it")
+        raise UserError(f"--append-to '{folder}' records no tokenizer hash (an older dflash-prepare wrote "
+                        "it): prepare it again to append to it")
     if old_tok != mine["tokenizer"]["sha256"]:
         raise UserError(f"--append-to '{folder}' was prepared with another tokenizer (target '{name}', "
                         f"tokenizer sha256 {old_tok[:12]} vs {mine['tokenizer']['sha256'][:12]})")

@@ -93,15 +93,34 @@ def _load_prepared(folder: Path, tokenizer) -> Dataset:
                         f"{ds.column_names}); prepare it with dflash-prepare")
     info = next((f for f in (folder / chat.INFO_FILE, folder.parent / chat.INFO_FILE) if f.is_file()), None)
     if info is not None and tokenizer.chat_template is not None:
-        made = json.loads(info.read_text())
-        if made["template"]["sha256"] != chat.template_sha256(tokenizer):
+        made = prepared_with(info, folder)
+        if made["template"].get("sha256") != chat.template_sha256(tokenizer):
             raise UserError(f"data folder '{folder}' was prepared with another chat template (target "
-                            f"'{made['target']['name_or_path']}'): prepare it again for this target")
+                            f"'{made['target'].get('name_or_path')}'): prepare it again for this target")
+        # the same template over another tokenizer: other ids for the same text (older infos lack it)
+        if made["tokenizer"].get("sha256") not in (None, chat.tokenizer_sha256(tokenizer)):
+            raise UserError(f"data folder '{folder}' was prepared with another tokenizer (target "
+                            f"'{made['target'].get('name_or_path')}'): prepare it again for this target")
     top = pc.max(pc.list_flatten(ds.data.column("input_ids"))).as_py() if len(ds) else None
     if top is not None and top >= len(tokenizer):
         raise UserError(f"data folder '{folder}' holds token id {top}, outside this target's vocabulary "
                         f"({len(tokenizer)} ids): prepare it again for this target")
     return ds
+
+
+def prepared_with(info: Path, folder: Path) -> dict:
+    """The prepare_info.json beside a training data folder: its template, tokenizer and target entries
+    (each a mapping, maybe empty); a cut or edited file is one line, not a traceback."""
+    try:
+        made = json.loads(info.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise UserError(f"data folder '{folder}': its {info.name} is damaged ({type(e).__name__}): prepare it "
+                        "again") from None
+    parts = {k: made.get(k, {}) if isinstance(made, dict) else None for k in ("template", "tokenizer", "target")}
+    if not all(isinstance(v, dict) for v in parts.values()):
+        raise UserError(f"data folder '{folder}': its {info.name} is damaged (not what dflash-prepare writes): "
+                        "prepare it again")
+    return parts
 
 
 def stop_token_ids(target_model, tokenizer) -> set[int]:

@@ -229,6 +229,24 @@ def test_prepared_folder_for_another_template_is_refused(tmp_path, qwen3_tok):
         load_conversations(str(tmp_path), qwen3_tok, 256)
 
 
+def test_prepared_folder_for_another_tokenizer_or_a_damaged_info_is_refused(tmp_path, tiny_target):
+    """The same template over other ids is refused; a cut or edited prepare_info.json is one line."""
+    out = tmp_path / "prep"
+    src = write_jsonl(tmp_path / "in.jsonl", tiny_rows(6))
+    prepare_cli.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output", str(out),
+                      "--min-supervised-tokens", "2"])
+    load_conversations(str(out), tiny_target.tokenizer, 256)  # its own tokenizer reads it
+    info = out / "prepare_info.json"
+    good = json.loads(info.read_text())
+    info.write_text(json.dumps(good | {"tokenizer": {"sha256": "0" * 64}}))
+    with pytest.raises(UserError, match="another tokenizer"):
+        load_conversations(str(out), tiny_target.tokenizer, 256)
+    for damaged in ['{"template": ', '["a list"]', json.dumps(good | {"template": None})]:
+        info.write_text(damaged)
+        with pytest.raises(UserError, match="prepare_info.json is damaged"):
+            load_conversations(str(out), tiny_target.tokenizer, 256)
+
+
 def run_cli(*args, cwd=ROOT):
     return subprocess.run([sys.executable, "-m", "dflash_train.cli.prepare", *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, timeout=120)

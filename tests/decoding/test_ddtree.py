@@ -198,6 +198,31 @@ def test_full_vocabulary_logits_are_read_by_the_top_k_and_the_normaliser_only():
     assert tree.size == 20 and seen <= {"__get__", "dim", "float", "topk", "sub", "exp_", "sum"}, seen
 
 
+def same_tree(a: DraftTree, b: DraftTree) -> bool:
+    return (all(torch.equal(getattr(a, f), getattr(b, f)) for f in ["tokens", "depths", "parents", "visibility",
+                                                                    "log_probs"])
+            and (a.children, a.ranks, a.best_child) == (b.children, b.ranks, b.best_child))
+
+
+def test_rows_cut_to_the_ranks_in_reach_give_the_whole_rows_tree(monkeypatch):
+    """Python reads only the ranks the search can pop (rows_in_reach, about `budget` of the L x K): the
+    tree is the one built from whole rows, field for field, ties and bf16 included."""
+    g = torch.Generator().manual_seed(11)
+    cases = [4 * torch.randn(15, 3000, generator=g), torch.randn(6, 40, generator=g).round(),
+             (2 * torch.randn(15, 500, generator=g)).bfloat16(), torch.zeros(3, 9)]
+    for logits in cases:
+        for budget in [1, 2, 5, 64, 300]:
+            K = min(budget, logits.shape[1])
+            logp, ids = top_k_log_probs(logits, K)
+            cut = ddtree.rows_in_reach(logp.numpy(), ids.numpy(), budget)[0]
+            cut_tree = build_tree(logits, budget)
+            with monkeypatch.context() as m:
+                m.setattr(ddtree, "rows_in_reach", lambda lp, ids, budget: (lp.tolist(), ids.tolist()))
+                assert same_tree(cut_tree, build_tree(logits, budget)), (logits.shape, budget)
+            if logits.shape == (15, 3000) and budget >= 64:
+                assert sum(map(len, cut)) < 2 * budget < logits.shape[0] * K  # it does cut
+
+
 def test_log_normaliser_is_logsumexp_bit_for_bit():
     """The normaliser takes each row's max from the top-K instead of a pass of its own: the same bits as
     torch.logsumexp, on finite rows, rows with -inf, a row all -inf and a row with +inf."""

@@ -42,7 +42,7 @@ from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import (DROP_REASONS, FORMATS, INFO_FILE, ROLE_NAMES, Fields, append_rows,
                                     check_appendable, encode_conversations, end_of_turn, input_kind,
                                     read_conversations, read_prepared, read_rows, split_indices,
-                                    template_sha256, to_dataset, tokenizer_sha256)
+                                    template_sha256, to_dataset, tokenizer_sha256, weights_key)
 from dflash_train.data.engine import static_generate
 from dflash_train.model.target import (LOAD_ERRORS, check_positions, first_line, load_target, max_positions,
                                        resolve_pin, target_dtype)
@@ -233,9 +233,10 @@ def run_regeneration(args, tokenizer, conversations, eot: str, work: Path):
         stops = regen.stop_token_ids(tokenizer, eot, target.model.generation_config.eos_token_id)
         generate = (static_generate(target, stops, s, slots=args.batch_size) if args.backend == "static" else
                     regen.transformers_generate(target, stops, s))
-    # The dtype the target computed in is part of the resume key: bf16 and fp32 answers are not mixed.
+    # The dtype the target computed in is part of the resume key: bf16 and fp32 answers are not mixed;
+    # so are its weights by content: other weights under the same path do not resume these answers.
     record = asdict(s) | {"target": args.target, "target_revision": args.target_revision,
-                          "target_dtype": dtype,
+                          "target_weights": weights_key(weights_pin(args)), "target_dtype": dtype,
                           "template_sha256": template_sha256(tokenizer), "stop_token_ids": stops}
     try:
         results, stats = regen.regenerate(conversations, tokenizer, generate, s, work, record)

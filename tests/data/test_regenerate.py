@@ -11,9 +11,10 @@ from conftest import ROOT, TINY_TARGET
 from dflash_train.core.errors import UserError
 from dflash_train.cli import prepare
 from dflash_train.data import regenerate as regen
+from dflash_train.data.chat import weights_key
 from dflash_train.data.dataset import load_conversations
 from dflash_train.data.regenerate import Generation, Sampling
-from dflash_train.model.target import load_target
+from dflash_train.model.target import load_target, resolve_pin
 
 TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
 GREEDY = Sampling(backend="transformers", temperature=0.0, top_p=1.0, max_new_tokens=24, seed=0, batch_size=2,
@@ -152,6 +153,8 @@ def test_prepare_regenerate_cli(tmp_path):
     info = json.loads((out / "prepare_info.json").read_text())
     r = info["regeneration"]
     assert (r["backend"], r["temperature"], r["max_new_tokens"], r["seed"]) == ("transformers", 0.0, 48, 0)
+    # the resume key holds the target's weights by content: other weights at the same path never resume
+    assert r["target_weights"] == weights_key(resolve_pin(str(TINY_TARGET), None))
     assert r["stats"]["answered"] == 4 and r["stats"]["generated_tokens"] > 0
     rows = [json.loads(line)["messages"] for line in (out / "regenerated.jsonl").read_text().splitlines()]
     source = tiny_conversations(4)

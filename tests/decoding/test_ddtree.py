@@ -207,6 +207,7 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
 def test_rows_cut_to_the_ranks_in_reach_give_the_whole_rows_tree(monkeypatch):
     """Python reads only the ranks the search can pop (rows_in_reach, about `budget` of the L x K): the
     tree is the one built from whole rows, field for field, ties and bf16 included."""
+    monkeypatch.setattr(ddtree, "WHOLE_ROWS", 0)  # bound every row, however few the entries
     g = torch.Generator().manual_seed(11)
     cases = [4 * torch.randn(15, 3000, generator=g), torch.randn(6, 40, generator=g).round(),
              (2 * torch.randn(15, 500, generator=g)).bfloat16(), torch.zeros(3, 9)]
@@ -221,6 +222,9 @@ def test_rows_cut_to_the_ranks_in_reach_give_the_whole_rows_tree(monkeypatch):
                 assert same_tree(cut_tree, build_tree(logits, budget)), (logits.shape, budget)
             if logits.shape == (15, 3000) and budget >= 64:
                 assert sum(map(len, cut)) < 2 * budget < logits.shape[0] * K  # it does cut
+    monkeypatch.setattr(ddtree, "WHOLE_ROWS", 8192)
+    logits = 4 * torch.randn(15, 2000, generator=g)
+    assert sum(map(len, ddtree.rows_in_reach(*[t.numpy() for t in top_k_log_probs(logits, 1024)], 1024)[0])) < 2048
 
 
 def test_log_normaliser_is_logsumexp_bit_for_bit():

@@ -65,7 +65,7 @@ def log_normaliser(logits: torch.Tensor, peak: torch.Tensor) -> torch.Tensor:
     """torch.logsumexp(logits, -1, keepdim=True), bit for bit, given each row's max (peak [L, 1],
     the top-K's first value): torch's own steps (an infinite max shifts by 0, as there), less its
     pass over the [L, V] logits to find the max and one [L, V] temporary (exp in place)."""
-    shift = peak.masked_fill(peak.abs() == math.inf, 0)  # [L, 1]
+    shift = peak.nan_to_num(nan=math.nan, posinf=0.0, neginf=0.0)  # [L, 1], one op for torch's masked_fill
     return torch.sub(logits, shift).exp_().sum(-1, keepdim=True).log_().add_(shift)  # [L, 1]
 
 
@@ -186,17 +186,18 @@ def marginal_expander(draft_logits: torch.Tensor, K: int, budget: int, token_ids
     """(expand, root token, root carry) for best_first from the per-depth marginals: a node's children
     are its depth's top-K, whoever the parent. token_ids as in build_tree."""
     logp, ids = top_k_log_probs(draft_logits, K)  # [L, K], [L, K]
-    lp = logp.detach().cpu().numpy()
+    if token_ids is not None:
+        ids = token_ids[ids]  # columns -> token ids
+    logp_rows, ids_rows = rows_in_reach(logp.detach().cpu().numpy(), ids.cpu().numpy(), budget)
     # A draft vocabulary scattered into [L, V] leaves -inf outside it, and those tokens are never
     # nodes: K drops to the fewest finite logits of a row. A row's finite logits come first in its
     # top-K, so counting them there gives that number whenever it is below K, with no pass over all
     # L x V logits (which cost twice the top-K); logits in draft space are all finite and skip it.
-    if not all(map(math.isfinite, lp[:, -1].tolist())):  # (Python: a cold numpy call costs ~50 us here)
-        logp, ids = top_k_log_probs(draft_logits, max(1, int(np.isfinite(lp).sum(-1).min())))
-        lp = logp.detach().cpu().numpy()  # the same top-K as counting first, ties included
-    if token_ids is not None:
-        ids = token_ids[ids]  # columns -> token ids
-    logp_rows, ids_rows = rows_in_reach(lp, ids.cpu().numpy(), budget)
+    # (Read off the Python rows: right after the [L, V] sweep another numpy call costs ~50 us.)
+    if not all(map(math.isfinite, (row[-1] for row in logp_rows))):
+        finite = max(1, int(torch.isfinite(logp).sum(-1).min()))
+        if finite < K:  # (not when a row is all -inf: K = 1 then, as before)
+            return marginal_expander(draft_logits, finite, budget, token_ids)  # the top-K of counting first
 
     def expand(token, carry, depth):
         return logp_rows[depth], ids_rows[depth], None
@@ -226,13 +227,12 @@ def rows_in_reach(logp: np.ndarray, ids: np.ndarray, budget: int) -> tuple[list[
     in its terms). Those L x K spine extensions are distinct prefixes scored exactly as best_first
     scores them (left-to-right float64 sums), so their budget-th best score is a floor under the
     tree's last one: a rank whose extension falls below it is never popped, nor is the next sibling
-    it would push. Rank 0 always stays (a popped parent reads its best child)."""
+    it would push. Rank 0 always stays (a popped parent reads its best child). Rows with a
+    non-finite entry come whole: build_tree reads their last ranks to lower K."""
     L, K = logp.shape
-    if logp.size <= max(WHOLE_ROWS, budget):  # cheaper whole / nothing to cut
-        return logp.tolist(), ids.tolist()
+    if logp.size <= max(WHOLE_ROWS, budget) or not np.isfinite(logp[:, -1]).all():
+        return logp.tolist(), ids.tolist()  # cheaper whole / nothing to cut / build_tree lowers K first
     firsts = logp[:, 0].tolist()
-    if any(math.isnan(x) for x in firsts):  # a row all -inf: nothing to bound with
-        return logp.tolist(), ids.tolist()
     spine = [0.0]
     for x in firsts[:-1]:
         spine.append(spine[-1] + x)

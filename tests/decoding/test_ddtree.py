@@ -229,7 +229,7 @@ def test_rows_cut_to_the_ranks_in_reach_give_the_whole_rows_tree(monkeypatch):
 
 def test_log_normaliser_is_logsumexp_bit_for_bit():
     """The normaliser takes each row's max from the top-K instead of a pass of its own: the same bits as
-    torch.logsumexp, on finite rows, rows with -inf, a row all -inf and a row with +inf."""
+    torch.logsumexp, on finite rows, rows with -inf, a row all -inf, a row with +inf and one with NaN."""
     g = torch.Generator().manual_seed(5)
     for L, V in [(3, 7), (15, 151936), (4, 1001)]:
         logits = 8 * torch.randn(L, V, generator=g)
@@ -237,6 +237,7 @@ def test_log_normaliser_is_logsumexp_bit_for_bit():
         if L > 3:
             logits[1] = float("-inf")
             logits[2, 5] = float("inf")
+            logits[3, 0] = float("nan")
         peak = torch.topk(logits, 2, dim=-1).values[:, :1]
         ours, torchs = ddtree.log_normaliser(logits, peak), torch.logsumexp(logits, -1, keepdim=True)
         assert torch.equal(ours.isnan(), torchs.isnan()) and torch.equal(ours.nan_to_num(), torchs.nan_to_num())

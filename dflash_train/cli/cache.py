@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.cli.prepare import MAX_BATCH_SIZE
 from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
 from dflash_train.core.outputs import output_lock, require_free_output
 from dflash_train.core.paths import model_source
 from dflash_train.data.dataset import check_data_path, load_conversations
 from dflash_train.data.hs_cache import DTYPES, build_cache, shards_done
+from dflash_train.data.prepare import MAX_BATCH_SIZE
 from dflash_train.model.target import (build_target_layer_ids, check_positions, check_tap_layers, load_target,
                                        max_positions, target_dtype)
 

@@ -13,6 +13,7 @@ from conftest import ROOT, TINY_TARGET, error_line
 from dflash_train.cli import prepare
 from dflash_train.core.outputs import MARKER
 from dflash_train.data import regenerate as regen
+from dflash_train.data.prepare import fit_positions
 
 TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
 
@@ -219,9 +220,8 @@ def test_default_lengths_are_lowered_to_the_targets_positions(tmp_path):
     given = ["--input", str(rows(tmp_path / "in.jsonl")), "--format", "messages", "--target", TINY_TARGET]
     prepare.main([*map(str, given), "--output", str(out), "--min-supervised-tokens", "1"])
     assert json.loads((out / "prepare_info.json").read_text())["max_length"] == 512
-    args = prepare.parse_args([*map(str, given), "--output", "o"])
-    prepare.fit_positions(args)
-    assert (args.max_length, args.max_new_tokens) == (512, 512)
+    settings = fit_positions(prepare.parse_args([*map(str, given), "--output", "o"]))
+    assert (settings.max_length, settings.max_new_tokens) == (512, 512)
 
 
 def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(tmp_path, capsys, monkeypatch):

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import output_lock, require_free_output
+from dflash_train.cli import locked_main
+from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError
+from dflash_train.core.outputs import require_free_output
 from dflash_train.core.paths import model_source
 from dflash_train.data.dataset import check_data_path, load_conversations
 from dflash_train.data.hs_cache import DTYPES, build_cache, shards_done
@@ -72,13 +73,6 @@ def parse_args(argv):
     return args
 
 
-@cli_guard
-def main(argv=None):
-    args = parse_args(argv)
-    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
-        run(args)
-
-
 def run(args) -> None:
     out = Path(args.output)
     # A cache of ours is resumed, or kept when complete, without --overwrite (build_cache decides)
@@ -109,6 +103,9 @@ def run(args) -> None:
                           "done; rerun the same command to resume")
     print(f"{len(m['shards'])} shard(s), {m.get('bytes_on_disk', 0):,} bytes for {m['tokens']:,} tokens "
           f"({m.get('bytes_on_disk', 0) / m['tokens']:.0f} bytes/token on disk) in {out}")
+
+
+main = locked_main(parse_args, run)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ from huggingface_hub.utils import validate_repo_id
 
 from dflash_train.checkpoint.folders import count_parameters, distilled_steps, load_drafter, resolve_folder
 from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
-from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
+from dflash_train.cli import locked_main
+from dflash_train.core.errors import OneLineArgumentParser, UserError
+from dflash_train.core.outputs import require_free_output, write_atomically
 from dflash_train.core.paths import display_path, model_source
 from dflash_train.export.card import model_card, pin_text, run_choice
 from dflash_train.export.writer import (check_reports, check_verifier, load_verifier, portable_recipe,
@@ -98,13 +99,6 @@ def read_notes(path: str | None) -> str | None:
         raise UserError(f"--card-notes '{path}' is not a readable text file ({type(e).__name__})") from None
 
 
-@cli_guard
-def main(argv=None):
-    args = parse_args(argv)
-    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
-        run(args)
-
-
 def run(args) -> None:
     out = Path(args.output)
     inputs = [("--checkpoint", args.checkpoint), ("--verifier", args.verifier),
@@ -154,6 +148,9 @@ def run(args) -> None:
     print(f"exported {args.format} drafter to {out} (verifier {name}, {pin_text(pin)})")
     if args.push_to_hub:
         push(out, args.push_to_hub, args.private, args.dry_run)
+
+
+main = locked_main(parse_args, run)
 
 
 if __name__ == "__main__":

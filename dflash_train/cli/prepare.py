@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.core.errors import OneLineArgumentParser, cli_guard
-from dflash_train.core.outputs import output_lock
+from dflash_train.cli import locked_main
+from dflash_train.core.errors import OneLineArgumentParser
 from dflash_train.core.seeds import SEED_LIMIT
 from dflash_train.data.chat import FORMATS
 from dflash_train.data.prepare import (MAX_BATCH_SIZE, MAX_LENGTH, MAX_NEW_TOKENS, MAX_TEMPERATURE, PrepareSettings,
@@ -156,11 +156,7 @@ def check_device(p: argparse.ArgumentParser, text: str, backend: str) -> None:
         p.error(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
 
 
-@cli_guard
-def main(argv=None):
-    settings = parse_args(argv)
-    with output_lock(Path(settings.output), "--output"):  # one dflash-train process per output
-        prepare(settings)
+main = locked_main(parse_args, prepare)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""The command lines (argparse + main): dflash-train, -eval, -export, -prepare, -cache. Nothing else imports them.
-Here: the `main` the commands that write one --output share (locked_main)."""
+"""The command lines (argparse + main): dflash-train, -eval, -export, -prepare, -cache, and the corpus builder
+(corpus.py). Nothing else imports them (data/corpus.py's `python -m` spelling aside).
+Here: the `main` the commands that write one --output share (locked_main), and their flags' defaults
+read from the settings dataclass they fill (defaults_of).
+"""
 
 from collections.abc import Callable
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from dflash_train.core.errors import cli_guard
@@ -19,3 +23,10 @@ def locked_main(parse_args: Callable, run: Callable) -> Callable:
             run(settings)
 
     return main
+
+
+def defaults_of(settings_class) -> dict:
+    """A settings dataclass's defaults by field, for ArgumentParser.set_defaults (each flag's dest is
+    its field): a default is stated once, in the dataclass, for the library and the command line."""
+    return {f.name: f.default_factory() if f.default is MISSING else f.default
+            for f in fields(settings_class) if f.default is not MISSING or f.default_factory is not MISSING}

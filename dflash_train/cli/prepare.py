@@ -13,12 +13,11 @@ Bad input stops with one `error:` line and exit code 2, and leaves no OUT behind
 
 import argparse
 import sys
-from dataclasses import MISSING, fields
 from pathlib import Path
 
 import torch
 
-from dflash_train.cli import locked_main
+from dflash_train.cli import defaults_of, locked_main
 from dflash_train.core.errors import OneLineArgumentParser
 from dflash_train.core.seeds import SEED_LIMIT
 from dflash_train.data.chat import FORMATS
@@ -69,16 +68,10 @@ def parse_args(argv) -> PrepareSettings:
     p.add_argument("--output", required=True, help="output folder (OUT, or OUT/train + OUT/val with a split)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
     add_regeneration_args(p)
-    p.set_defaults(**settings_defaults())  # stated once, in PrepareSettings
+    p.set_defaults(**defaults_of(PrepareSettings))  # stated once, in PrepareSettings
     args = p.parse_args(argv)
     check_args(p, args)
     return PrepareSettings(**vars(args))
-
-
-def settings_defaults() -> dict:
-    """PrepareSettings' defaults, by field (the flags' dests)."""
-    return {f.name: f.default_factory() if f.default is MISSING else f.default
-            for f in fields(PrepareSettings) if f.default is not MISSING or f.default_factory is not MISSING}
 
 
 def add_regeneration_args(p: argparse.ArgumentParser) -> None:

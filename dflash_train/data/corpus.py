@@ -36,6 +36,7 @@ from dflash_train.core.outputs import check_folder_path, file_sha256
 from dflash_train.core.paths import ROOT
 from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import template_sha256
+from dflash_train.data.dataset import stop_token_ids
 from dflash_train.data.engine import static_generate
 from dflash_train.data.real_target import DEFAULT_DEST, GGUF, MODEL_DIR, WHEELS
 from dflash_train.model.target import hash_files, load_target
@@ -210,7 +211,7 @@ def build_corpus(settings: CorpusSettings) -> None:
     tok = target.tokenizer
     prompts = select_prompts(sharegpt, tok, settings.conversations, settings.max_prompt_tokens, seed=0)
     s = regen.Sampling("static", 0.0, 1.0, settings.max_new_tokens, 0, settings.chunk, False, True)
-    stops = regen.stop_token_ids(tok, "<|im_end|>", target.model.generation_config.eos_token_id)
+    stops = sorted(stop_token_ids(target.model, tok, "<|im_end|>"))
     record = asdict(s) | {
         "target": MODEL_DIR, "dtype": "float32", "template_sha256": template_sha256(tok),
         "stop_token_ids": stops, "max_prompt_tokens": settings.max_prompt_tokens, "prompt_seed": 0}

@@ -123,11 +123,16 @@ def prepared_with(info: Path, folder: Path) -> dict:
     return parts
 
 
-def stop_token_ids(target_model, tokenizer) -> set[int]:
-    eos = target_model.generation_config.eos_token_id
+def stop_token_ids(target_model, tokenizer, end_of_turn: str | None = None) -> set[int]:
+    """The ids a target's answer ends at: the model's generation_config EOS (target_model None: a model
+    not loaded here, vLLM's), the tokenizer's EOS, and the chat template's end-of-turn token when given
+    (regeneration, which records them sorted in its resume key; decoding stops at the EOS ids alone)."""
+    eos = target_model.generation_config.eos_token_id if target_model is not None else None
     ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
+    if end_of_turn is not None:
+        ids.add(tokenizer.convert_tokens_to_ids(end_of_turn))
     return ids
 
 

@@ -36,6 +36,7 @@ from dflash_train.data.chat import (DROP_REASONS, FORMATS, INFO_FILE, ROLE_NAMES
                                     check_appendable, encode_conversations, end_of_turn, input_kind,
                                     read_conversations, read_prepared, read_rows, split_indices,
                                     template_sha256, to_dataset, tokenizer_sha256, weights_key)
+from dflash_train.data.dataset import stop_token_ids
 from dflash_train.data.engine import static_generate
 from dflash_train.model.target import (LOAD_ERRORS, check_positions, first_line, load_target, max_positions,
                                        resolve_pin, target_dtype)
@@ -182,7 +183,7 @@ def run_regeneration(s: PrepareSettings, tokenizer, conversations, eot: str, wor
     sampling = regen.Sampling(s.backend, s.temperature, s.top_p, s.max_new_tokens, s.seed, s.batch_size,
                               s.enable_thinking, s.keep_truncated)
     if s.backend == "vllm":
-        stops = regen.stop_token_ids(tokenizer, eot)
+        stops = sorted(stop_token_ids(None, tokenizer, eot))  # the model runs in vLLM
         generate = regen.vllm_generate(s.target, s.target_revision, s.trust_remote_code, stops, sampling)
         dtype = "auto"  # vLLM's choice
     else:
@@ -193,7 +194,7 @@ def run_regeneration(s: PrepareSettings, tokenizer, conversations, eot: str, wor
         dtype = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(torch_dtype, str(torch_dtype))
         target = load_target(s.target, revision=s.target_revision, device=device,
                              dtype=torch_dtype, trust_remote_code=s.trust_remote_code)
-        stops = regen.stop_token_ids(tokenizer, eot, target.model.generation_config.eos_token_id)
+        stops = sorted(stop_token_ids(target.model, tokenizer, eot))
         generate = (static_generate(target, stops, sampling, slots=s.batch_size) if s.backend == "static" else
                     regen.transformers_generate(target, stops, sampling))
     # The dtype the target computed in is part of the resume key: bf16 and fp32 answers are not mixed;

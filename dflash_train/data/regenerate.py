@@ -73,15 +73,6 @@ class Generation:
 GenerateFn = Callable[[list[list[int]], int], list[Generation]]
 
 
-def stop_token_ids(tokenizer, end_of_turn: str, model_eos: int | list[int] | None = None) -> list[int]:
-    """The template's end-of-turn token, the tokenizer's EOS and the model's (generation_config) EOS ids."""
-    ids = {tokenizer.convert_tokens_to_ids(end_of_turn)}
-    ids |= set(model_eos if isinstance(model_eos, list) else [model_eos]) if model_eos is not None else set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
-
-
 def transformers_generate(target: Target, stop_ids: list[int], s: Sampling) -> GenerateFn:
     tok, model = target.tokenizer, target.model
     pad = tok.pad_token_id if tok.pad_token_id is not None else stop_ids[0]

@@ -8,6 +8,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train.core.errors import UserError
 from dflash_train.data import regenerate as regen
+from dflash_train.data.dataset import stop_token_ids
 from dflash_train.data.engine import StaticEngine, generate_all, static_generate
 from dflash_train.data.regenerate import Sampling
 from dflash_train.model.target import load_target
@@ -21,7 +22,7 @@ QUESTIONS = ["What is 23 + 59?", "Hi", "Write a function that reverses a list, t
 def prompts_and_stops(target):
     tok = target.tokenizer
     prompts = [regen._prompt_ids(tok, [{"role": "user", "content": q}], False) for q in QUESTIONS]
-    return prompts, regen.stop_token_ids(tok, "<|im_end|>", target.model.generation_config.eos_token_id)
+    return prompts, sorted(stop_token_ids(target.model, tok, "<|im_end|>"))
 
 
 @pytest.mark.parametrize("which", ["tiny_target", "llama"])

@@ -12,7 +12,7 @@ from dflash_train.core.errors import UserError
 from dflash_train.cli import prepare
 from dflash_train.data import regenerate as regen
 from dflash_train.data.chat import weights_key
-from dflash_train.data.dataset import load_conversations
+from dflash_train.data.dataset import load_conversations, stop_token_ids
 from dflash_train.data.regenerate import Generation, Sampling
 from dflash_train.model.target import load_target, resolve_pin
 
@@ -93,7 +93,7 @@ def test_a_kept_truncated_answer_ends_the_conversation(tiny_target, tmp_path):
 def test_batched_generation_matches_one_at_a_time(tiny_target):
     """Left padding is right: a prompt's greedy answer does not depend on its batch."""
     tok = tiny_target.tokenizer
-    stops = regen.stop_token_ids(tok, "<|im_end|>")
+    stops = sorted(stop_token_ids(None, tok, "<|im_end|>"))
     generate = regen.transformers_generate(tiny_target, stops, replace(GREEDY, max_new_tokens=16))
     prompts = [regen._prompt_ids(tok, [{"role": "user", "content": q}], False)
                for q in ["What is 23 + 59?", "Hi"]]
@@ -113,7 +113,7 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(qwen3_random_targ
     s = replace(GREEDY, temperature=1.0, top_p=0.9, seed=7, max_new_tokens=12)
     # Its answers are all cut at 12 tokens: counted as finished here, so that every turn is asked.
     finished = lambda generate: lambda p, seed: [replace(g, stopped=True) for g in generate(p, seed)]  # noqa: E731
-    generate = finished(regen.transformers_generate(target, regen.stop_token_ids(tok, "<|im_end|>"), s))
+    generate = finished(regen.transformers_generate(target, sorted(stop_token_ids(None, tok, "<|im_end|>")), s))
     record = {"target": str(qwen3_random_target_dir)} | vars(s)
     calls = []
 
@@ -179,7 +179,7 @@ def test_kept_truncated_answer_is_supervised_to_the_cut_without_end_of_turn(tmp_
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     first = tiny_conversations(1)[0][:2]  # system + first user turn
     s = replace(GREEDY, max_new_tokens=12)
-    cut = regen.transformers_generate(target, regen.stop_token_ids(tok, "<|im_end|>"), s)(
+    cut = regen.transformers_generate(target, sorted(stop_token_ids(None, tok, "<|im_end|>")), s)(
         [regen._prompt_ids(tok, first, False)], 0)[0]
     assert not cut.stopped and len(cut.tokens) == 12
 

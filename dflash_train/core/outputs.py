@@ -25,12 +25,8 @@ from pathlib import Path
 
 from dflash_train import __version__
 from dflash_train.core.errors import UserError, say
+from dflash_train.core.markers import KINDS, MARKER, marker_kind  # (the layers above import them from here too)
 from dflash_train.core.paths import resolve_input
-
-MARKER = ".dflash-train.json"
-KINDS = {"train": "a training run", "eval": "an eval report", "export": "an export",
-         "prepare": "a prepared dataset", "cache": "a hidden-state cache", "drafter": "a drafter",
-         "regenerate": "a regeneration work folder"}
 
 
 def _read_umask() -> int:
@@ -71,14 +67,6 @@ def refuse_overlap(out: Path, inputs: Inputs, flag: str) -> None:
 
 
 # --- outputs ---------------------------------------------------------------------------------------
-
-def marker_kind(folder: Path) -> str | None:
-    """The kind of output a folder holds, None when this toolkit did not write it."""
-    try:
-        return json.loads((Path(folder) / MARKER).read_text())["kind"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
 
 def write_marker(folder: Path, kind: str) -> None:
     (Path(folder) / MARKER).write_text(json.dumps({"tool": "dflash-train", "kind": kind,

@@ -11,6 +11,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
 from dflash_train.core.errors import UserError
+from dflash_train.core.markers import KINDS, marker_kind
 
 # the checkout: recipes/, data/, eval/ (dflash_train/core/paths.py)
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,8 +60,6 @@ TARGET_FLAGS = ("target", "model.target", "verifier")  # a target LLM folder, ne
 def _refuse_non_target(folder: Path, value: str, what: str) -> None:
     """A drafter, run, dataset or cache folder given as the target: say what it is, before the
     loader's own error (cut mid-sentence: "Couldn't instantiate the backend tokenizer from one of:")."""
-    from dflash_train.core.outputs import KINDS, marker_kind  # outputs imports this module
-
     kind = marker_kind(folder)
     if kind in KINDS:  # our outputs; a model make real-target converted (kind "real-target") is a target
         raise UserError(f"{what} '{value}' holds {KINDS[kind]} written by dflash-train, not a target model")

@@ -3,9 +3,9 @@
     make real-target && OMP_NUM_THREADS=1 python -m dflash_train.cli.corpus --conversations 3000 \
         --chunk 128 --slots 64
 
-is the command that built the committed corpus (`python -m dflash_train.data.corpus`, as it was then
-spelled, still runs this). Extending it takes the same --chunk (part of the resume key; --slots may
-change); a rerun with nothing to do writes nothing. The builder, its output and resume: data/corpus.py.
+is the command that built the committed corpus (then spelled `python -m dflash_train.data.corpus`, which
+now says where it went). Extending it takes the same --chunk (part of the resume key; --slots may change);
+a rerun with nothing to do writes nothing. The builder, its output and resume: data/corpus.py.
 """
 
 from pathlib import Path

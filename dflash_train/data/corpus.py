@@ -24,6 +24,7 @@ import gzip
 import json
 import os
 import random
+import sys
 import time
 import zlib
 from dataclasses import asdict, dataclass
@@ -267,6 +268,7 @@ def timing(clock: dict) -> dict:
             "answer_tokens_per_s_last_run": round(clock["run_tokens"] / max(clock["run_seconds"], 1e-9), 1)}
 
 
-if __name__ == "__main__":  # the spelling the corpus was built with; its command line is cli/corpus.py
-    from dflash_train.cli.corpus import main
-    main()
+if __name__ == "__main__":  # the spelling it was once run with: say where the command line went (data/ imports no cli/)
+    print("error: the corpus builder's command line is now python -m dflash_train.cli.corpus (same flags)",
+          file=sys.stderr)
+    sys.exit(2)

@@ -171,75 +171,79 @@ def build_tree(draft_logits: torch.Tensor, budget: int, scorer=None,
         return root_only_tree()
     L, V = draft_logits.shape
     if scorer is None:
-        expand, root_token, root_carry = marginal_expander(draft_logits, min(budget, V), budget, token_ids)
+        found = marginal_search(draft_logits, min(budget, V), budget, token_ids)
     else:
         expand, root_token, root_carry = scorer.expander(draft_logits, min(budget, V))
-    tokens, depths, parents, log_probs, children, ranks, best_child = best_first(expand, root_token,
-                                                                                 root_carry, L, budget)
+        found = best_first(expand, root_token, root_carry, L, budget)
+    tokens, depths, parents, log_probs, children, ranks, best_child = found
     return DraftTree(tokens=as_tensor(tokens, np.int64), depths=as_tensor(depths, np.int64),
                      parents=as_tensor(parents, np.int64), visibility=visibility_mask(parents, max(depths)),
                      log_probs=as_tensor(log_probs, np.float32), children=children, ranks=ranks,
                      best_child=best_child)
 
 
-def marginal_expander(draft_logits: torch.Tensor, K: int, budget: int, token_ids: torch.Tensor | None):
-    """(expand, root token, root carry) for best_first from the per-depth marginals: a node's children
-    are its depth's top-K, whoever the parent. token_ids as in build_tree."""
-    logp, ids = top_k_log_probs(draft_logits, K)  # [L, K], [L, K]
-    if token_ids is not None:
-        ids = token_ids[ids]  # columns -> token ids
-    logp_rows, ids_rows = rows_in_reach(logp.detach().cpu().numpy(), ids.cpu().numpy(), budget)
+def marginal_search(draft_logits: torch.Tensor, K: int, budget: int, token_ids: torch.Tensor | None):
+    """best_first over the per-depth marginals (a node's children are its depth's top-K, whoever the
+    parent), depths scored as the search first reads them (MarginalRows). token_ids as in build_tree."""
+    rows = MarginalRows(draft_logits, K, token_ids)
+    if rows.finite:
+        found = best_first(rows.expand, -1, None, draft_logits.shape[0], budget)
+        if rows.finite:
+            return found
     # A draft vocabulary scattered into [L, V] leaves -inf outside it, and those tokens are never
-    # nodes: K drops to the fewest finite logits of a row. A row's finite logits come first in its
-    # top-K, so counting them there gives that number whenever it is below K, with no pass over all
-    # L x V logits (which cost twice the top-K); logits in draft space are all finite and skip it.
-    # (Read off the Python rows: right after the [L, V] sweep another numpy call costs ~50 us.)
-    if not all(map(math.isfinite, (row[-1] for row in logp_rows))):
-        finite = max(1, int(torch.isfinite(logp).sum(-1).min()))
-        if finite < K:  # (not when a row is all -inf: K = 1 then, as before)
-            return marginal_expander(draft_logits, finite, budget, token_ids)  # the top-K of counting first
+    # nodes: K drops to the fewest finite logits of a row (of all L rows, as always). A row's finite
+    # logits come first in its top-K, so counting them there gives that number whenever it is below
+    # K, with no pass over all L x V logits (which cost twice the top-K); logits in draft space are
+    # all finite and never get here.
+    fewest = max(1, int(torch.isfinite(top_k_log_probs(draft_logits, K)[0]).sum(-1).min()))
+    if fewest < K:
+        return marginal_search(draft_logits, fewest, budget, token_ids)  # the top-K of counting first
+    return best_first(rows.expand, -1, None, draft_logits.shape[0], budget)  # a row all -inf: K = 1, as before
 
-    def expand(token, carry, depth):
-        return logp_rows[depth], ids_rows[depth], None
 
-    return expand, -1, None
+# Depths scored before the search starts; the next block is 2 more, then the rest. Random logits at
+# V = 151,936 (tree_build.py) give trees of depth 3-4 of 15 at budgets 64-1024, which read 4-6 rows;
+# a confident drafter's reach all 15, at two more top-K calls on fewer rows each (~0.1 ms).
+FIRST_DEPTHS = 4
+
+
+class MarginalRows:
+    """The marginals' rows for best_first, as Python lists (log-probs: exact floats from float32),
+    scored (top-K and normaliser over V) a block of depths at a time when the search first reads
+    one: a popped node at depth d reads the row of depth d + 1 only, so the rows below the tree's
+    deepest node plus one are never scored (most of them for a shallow tree). Blocks give one
+    call's bits, both being per row; none is a single row, whose sum torch may split across
+    threads. finite: every scored top-K log-prob is finite."""
+
+    def __init__(self, draft_logits: torch.Tensor, K: int, token_ids: torch.Tensor | None):
+        self.logits, self.K, self.token_ids = draft_logits, K, token_ids
+        self.logp: list[list[float]] = []  # per scored depth, best first
+        self.ids: list[list[int]] = []
+        self.finite = True
+        L = draft_logits.shape[0]
+        self.score(L if L <= FIRST_DEPTHS + 1 else FIRST_DEPTHS)
+
+    def score(self, end: int) -> None:
+        """Score the depths from the next unscored one to `end` (exclusive, rows of draft_logits)."""
+        logp, ids = top_k_log_probs(self.logits[len(self.logp):end], self.K)  # [n, K], [n, K]
+        if self.token_ids is not None:
+            ids = self.token_ids[ids]  # columns -> token ids
+        rows = logp.detach().cpu().tolist()
+        self.finite = self.finite and all(math.isfinite(row[-1]) for row in rows)  # -inf sorts last
+        self.logp += rows
+        self.ids += ids.cpu().tolist()
+
+    def expand(self, token, carry, depth):
+        if depth == len(self.logp):  # the first node at depth `depth` was popped
+            L, n = self.logits.shape[0], len(self.logp)
+            self.score(n + 2 if n == FIRST_DEPTHS and n + 4 <= L else L)  # (never a block of one row)
+        return self.logp[depth], self.ids[depth], None
 
 
 def as_tensor(values: list, dtype) -> torch.Tensor:
     """torch.tensor(values) through numpy, which reads a Python list ~3x faster (float32: the same
     round-to-nearest from the Python floats)."""
     return torch.from_numpy(np.array(values, dtype=dtype))
-
-
-# Up to this many top-K entries (L x K), turning them all into Python objects costs less than finding
-# the ~budget the search can reach (measured at L = 15 right after the [L, V] top-K: 0.06 / 0.16 ms
-# for all at K = 64 / 256 against 0.20 / 0.24 ms for the bound; at K = 1024 0.53 against 0.37 ms).
-WHOLE_ROWS = 8192
-
-
-def rows_in_reach(logp: np.ndarray, ids: np.ndarray, budget: int) -> tuple[list[list], list[list]]:
-    """logp float32, ids [L, K] (each row best first) -> per depth, the log-probs (as exact Python
-    floats) and ids of the ranks the best-first search of `budget` nodes can pop, a prefix of each
-    row; Python never touches the other L x K - ~budget entries.
-
-    A node of rank r at depth d scores at most spine(d-1) + logp[d, r], spine(d-1) being the sum of
-    the rank-0 log-probs above it (each term is at most its row's first, and a float sum is monotone
-    in its terms). Those L x K spine extensions are distinct prefixes scored exactly as best_first
-    scores them (left-to-right float64 sums), so their budget-th best score is a floor under the
-    tree's last one: a rank whose extension falls below it is never popped, nor is the next sibling
-    it would push. Rank 0 always stays (a popped parent reads its best child). Rows with a
-    non-finite entry come whole: build_tree reads their last ranks to lower K."""
-    L, K = logp.shape
-    if logp.size <= max(WHOLE_ROWS, budget) or not np.isfinite(logp[:, -1]).all():
-        return logp.tolist(), ids.tolist()  # cheaper whole / nothing to cut / build_tree lowers K first
-    firsts = logp[:, 0].tolist()
-    spine = [0.0]
-    for x in firsts[:-1]:
-        spine.append(spine[-1] + x)
-    ext = np.array(spine)[:, None] + logp.astype(np.float64)  # [L, K], rows non-increasing
-    floor = np.partition(ext.ravel(), L * K - budget)[L * K - budget]  # the budget-th largest
-    reach = np.maximum((ext >= floor).sum(-1), 1).tolist()  # [L]
-    return [logp[d, :n].tolist() for d, n in enumerate(reach)], [ids[d, :n].tolist() for d, n in enumerate(reach)]
 
 
 def chain_tree(tokens: torch.Tensor) -> DraftTree:

@@ -195,7 +195,7 @@ def test_full_vocabulary_logits_are_read_by_the_top_k_and_the_normaliser_only():
 
     with Record():
         tree = build_tree(logits, 20)
-    assert tree.size == 20 and seen <= {"__get__", "dim", "float", "topk", "sub", "exp_", "sum"}, seen
+    assert tree.size == 20 and seen <= {"__get__", "__getitem__", "dim", "float", "topk", "sub", "exp_", "sum"}, seen
 
 
 def same_tree(a: DraftTree, b: DraftTree) -> bool:
@@ -204,27 +204,56 @@ def same_tree(a: DraftTree, b: DraftTree) -> bool:
             and (a.children, a.ranks, a.best_child) == (b.children, b.ranks, b.best_child))
 
 
-def test_rows_cut_to_the_ranks_in_reach_give_the_whole_rows_tree(monkeypatch):
-    """Python reads only the ranks the search can pop (rows_in_reach, about `budget` of the L x K): the
-    tree is the one built from whole rows, field for field, ties and bf16 included."""
-    monkeypatch.setattr(ddtree, "WHOLE_ROWS", 0)  # bound every row, however few the entries
+def all_depths_tree(monkeypatch, logits, budget, **kw) -> DraftTree:
+    """build_tree as it was: every depth scored in one call before the search."""
+    with monkeypatch.context() as m:
+        m.setattr(ddtree, "FIRST_DEPTHS", 10 ** 6)
+        return build_tree(logits, budget, **kw)
+
+
+def test_depths_scored_as_the_search_reads_them_give_the_same_tree(monkeypatch):
+    """Depths are scored a block at a time when the search first reads one (MarginalRows): the tree is
+    the one from every depth scored at once, field for field: shallow and deep trees, every L, ties,
+    bf16, scattered vocabularies (uniform and uneven), token ids."""
     g = torch.Generator().manual_seed(11)
-    cases = [4 * torch.randn(15, 3000, generator=g), torch.randn(6, 40, generator=g).round(),
-             (2 * torch.randn(15, 500, generator=g)).bfloat16(), torch.zeros(3, 9)]
+    deep = 0.3 * torch.randn(15, 500, generator=g)
+    deep[:, 7] += 20  # a confident drafter: one token per depth, the tree reaches all 15
+    masked = 4 * torch.randn(15, 800, generator=g)
+    masked[:, 100:] = float("-inf")
+    uneven = 4 * torch.randn(6, 300, generator=g)
+    uneven[torch.rand(6, 300, generator=g) < 0.5] = float("-inf")
+    cases = [4 * torch.randn(15, 3000, generator=g), deep, torch.randn(6, 40, generator=g).round(),
+             (2 * torch.randn(15, 500, generator=g)).bfloat16(), torch.zeros(3, 9), masked, uneven]
+    cases += [4 * torch.randn(L, 200, generator=g) for L in range(1, 10)]
     for logits in cases:
-        for budget in [1, 2, 5, 64, 300]:
-            K = min(budget, logits.shape[1])
-            logp, ids = top_k_log_probs(logits, K)
-            cut = ddtree.rows_in_reach(logp.numpy(), ids.numpy(), budget)[0]
-            cut_tree = build_tree(logits, budget)
-            with monkeypatch.context() as m:
-                m.setattr(ddtree, "rows_in_reach", lambda lp, ids, budget: (lp.tolist(), ids.tolist()))
-                assert same_tree(cut_tree, build_tree(logits, budget)), (logits.shape, budget)
-            if logits.shape == (15, 3000) and budget >= 64:
-                assert sum(map(len, cut)) < 2 * budget < logits.shape[0] * K  # it does cut
-    monkeypatch.setattr(ddtree, "WHOLE_ROWS", 8192)
-    logits = 4 * torch.randn(15, 2000, generator=g)
-    assert sum(map(len, ddtree.rows_in_reach(*[t.numpy() for t in top_k_log_probs(logits, 1024)], 1024)[0])) < 2048
+        for budget in [1, 2, 5, 64, 300, 1024]:
+            assert same_tree(build_tree(logits, budget), all_depths_tree(monkeypatch, logits, budget)), \
+                (logits.shape, budget)
+    ids = torch.randperm(5000, generator=g)[:3000]
+    assert same_tree(build_tree(cases[0], 64, token_ids=ids), all_depths_tree(monkeypatch, cases[0], 64,
+                                                                               token_ids=ids))
+
+
+def test_a_shallow_tree_scores_only_the_depths_it_reaches(monkeypatch):
+    """Random logits at a large vocabulary give shallow trees: the top-K and normaliser run on the depths
+    the search reads (the tree's and the one below its deepest), in blocks of 4, 2 and the rest, not
+    on all 15; a confident drafter's tree reaches all 15. Row blocks give one call's bits."""
+    g, rows = torch.Generator().manual_seed(3), []
+    real = ddtree.top_k_log_probs
+    monkeypatch.setattr(ddtree, "top_k_log_probs", lambda logits, k: rows.append(logits.shape[0]) or real(logits, k))
+    shallow = 4 * torch.randn(15, 20000, generator=g)
+    for budget in [64, 256, 1024]:
+        rows.clear()
+        depth = int(build_tree(shallow, budget).depths.max())
+        assert sum(rows) == min(b for b in (4, 6, 15) if b >= depth + 1) and rows[0] == 4, (budget, depth, rows)
+        assert budget == 1024 or sum(rows) < 15
+    deep = 0.3 * torch.randn(15, 20000, generator=g)
+    deep[:, 0] += 20
+    rows.clear()
+    assert build_tree(deep, 64).depths.max() == 15 and rows == [4, 2, 9]
+    logp, ids = real(shallow, 64)
+    blocks = [real(shallow[a:b], 64) for a, b in [(0, 4), (4, 6), (6, 15)]]
+    assert torch.equal(torch.cat([b[0] for b in blocks]), logp) and torch.equal(torch.cat([b[1] for b in blocks]), ids)
 
 
 def test_log_normaliser_is_logsumexp_bit_for_bit():

@@ -73,7 +73,8 @@ def best_first(expand, root_token: int, root_carry, L: int, budget: int):
     """Pop the top-`budget` prefixes, best first.
 
     expand(token, carry, depth) gives the children of a node at `depth` carrying `token`:
-    (logp row, ids row, the carry its children share), best first, ids as Python ints.
+    (logp row, ids row, the carry its children share), best first: lists or numpy rows, read an
+    entry at a time through float() and int() (exact: float32 -> float64 adds no rounding).
     DFlash's marginals ignore token and carry (one row per depth); a conditional
     scorer (dspark.MarkovScorer) scores each node's children given its path. A node is
     expanded when it is popped (to push its first child), so every tree node above depth L
@@ -89,8 +90,8 @@ def best_first(expand, root_token: int, root_carry, L: int, budget: int):
     path_logw = [0.0]  # [1 + popped] path log-prob per index; the root's is 0
     children: list[dict[int, int]] = [{}]
     rows = [expand(root_token, root_carry, 0)]  # per index: its children's (logp, ids, carry)
-    best_child = [rows[0][1][0]]
-    heap = [(-rows[0][0][0], (0,), 0)]
+    best_child = [int(rows[0][1][0])]
+    heap = [(-float(rows[0][0][0]), (0,), 0)]
     pop, push = heapq.heappop, heapq.heappush  # local names: this loop runs `budget` times per round
     for idx in range(1, budget + 1):
         if not heap:
@@ -98,7 +99,7 @@ def best_first(expand, root_token: int, root_carry, L: int, budget: int):
         neg_logw, rank_path, parent = pop(heap)
         d, r = len(rank_path), rank_path[-1]
         logp, ids, carry = rows[parent]
-        token, logw = ids[r], -neg_logw
+        token, logw = int(ids[r]), -neg_logw
         tokens.append(token)
         depths.append(d)
         parents.append(parent)
@@ -111,12 +112,12 @@ def best_first(expand, root_token: int, root_carry, L: int, budget: int):
         # plain left-to-right sum, so equal per-depth log-probs give bit-equal keys and
         # ties fall to the rank path instead of rounding noise (and -inf stays -inf, not nan).
         if r + 1 < len(logp):  # next sibling: same parent, rank r + 1
-            push(heap, (-(path_logw[parent] + logp[r + 1]), rank_path[:-1] + (r + 1,), parent))
+            push(heap, (-(path_logw[parent] + float(logp[r + 1])), rank_path[:-1] + (r + 1,), parent))
         if d < L:              # first child: depth d + 1, rank 0
             row = expand(token, carry, d)
             rows.append(row)
-            best_child.append(row[1][0])
-            push(heap, (-(logw + row[0][0]), rank_path + (0,), idx))
+            best_child.append(int(row[1][0]))
+            push(heap, (-(logw + float(row[0][0])), rank_path + (0,), idx))
         else:
             rows.append(None)
             best_child.append(-1)
@@ -208,17 +209,18 @@ FIRST_DEPTHS = 4
 
 
 class MarginalRows:
-    """The marginals' rows for best_first, as Python lists (log-probs: exact floats from float32),
-    scored (top-K and normaliser over V) a block of depths at a time when the search first reads
-    one: a popped node at depth d reads the row of depth d + 1 only, so the rows below the tree's
-    deepest node plus one are never scored (most of them for a shallow tree). Blocks give one
-    call's bits, both being per row; none is a single row, whose sum torch may split across
-    threads. finite: every scored top-K log-prob is finite."""
+    """The marginals' rows for best_first, scored (top-K and normaliser over V) a block of depths at
+    a time when the search first reads one: a popped node at depth d reads the row of depth d + 1
+    only, so the rows below the tree's deepest node plus one are never scored (most of them for a
+    shallow tree). Blocks give one call's bits, both being per row; none is a single row, whose sum
+    torch may split across threads. Rows stay numpy: best_first reads ~2 entries per popped node,
+    where turning whole rows into Python lists cost ~1 ms at 15 x 1024 (a confident drafter's
+    tree at budget 1024). finite: every scored top-K log-prob is finite."""
 
     def __init__(self, draft_logits: torch.Tensor, K: int, token_ids: torch.Tensor | None):
         self.logits, self.K, self.token_ids = draft_logits, K, token_ids
-        self.logp: list[list[float]] = []  # per scored depth, best first
-        self.ids: list[list[int]] = []
+        self.logp: list[np.ndarray] = []  # per scored depth [K] float32, best first
+        self.ids: list[np.ndarray] = []  # [K] int64
         self.finite = True
         L = draft_logits.shape[0]
         self.score(L if L <= FIRST_DEPTHS + 1 else FIRST_DEPTHS)
@@ -228,10 +230,10 @@ class MarginalRows:
         logp, ids = top_k_log_probs(self.logits[len(self.logp):end], self.K)  # [n, K], [n, K]
         if self.token_ids is not None:
             ids = self.token_ids[ids]  # columns -> token ids
-        rows = logp.detach().cpu().tolist()
-        self.finite = self.finite and all(math.isfinite(row[-1]) for row in rows)  # -inf sorts last
-        self.logp += rows
-        self.ids += ids.cpu().tolist()
+        rows = logp.detach().cpu().numpy()
+        self.finite = self.finite and all(map(math.isfinite, rows[:, -1].tolist()))  # -inf sorts last
+        self.logp += list(rows)
+        self.ids += list(ids.cpu().numpy())
 
     def expand(self, token, carry, depth):
         if depth == len(self.logp):  # the first node at depth `depth` was popped

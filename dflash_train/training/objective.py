@@ -5,6 +5,7 @@ import torch
 
 from dflash_train.model.loss import dflash_loss, exp_weights
 from dflash_train.model.variants.dflash2 import selector_loss
+from dflash_train.model.variants import VARIANTS
 from dflash_train.model.variants.dspark import confidence_loss
 from dflash_train.training.blocks import BlockOutputs, target_labels
 from dflash_train.training.config import RunConfig
@@ -17,8 +18,9 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
     per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
     the same normaliser; for DFlash2, loss.selector_weight x the selector's candidate CE (the
     terms' slot weights, the same normaliser), reported as the term "selector", and the chain's
-    hits are then the selector walk's (teacher-forced, dflash2.selector_loss)."""
-    bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
+    hits are then the selector walk's (teacher-forced, dflash2.selector_loss); for XPress, the consistency
+    rounds and the base anchor (xpress.XPress.extra_loss)."""
+    bias = None if o.markov_u is None else (o.markov_u, model.variant.bias_weight(model))
     if model.lm_head is not None:  # a draft vocabulary: its own (cheap) step
         return draft_vocab_loss(o, target, model, cfg, normalizer, with_alpha)
     loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
@@ -35,7 +37,7 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
         m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
         m["correct"] = correct
         loss = loss + cfg.loss.selector_weight * sel
-    return loss, m
+    return model.variant.extra_loss(o, target, model, cfg, normalizer, loss, m)
 
 
 def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
@@ -53,6 +55,7 @@ def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
 
 
 def term_names(cfg: RunConfig) -> list[str]:
-    """The reported loss terms: the recipe's, then DFlash2's selector CE (a training step's record
-    adds tree distillation's KL as "tree")."""
-    return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+    """The reported loss terms: the recipe's, then DFlash2's selector CE or a variant's extra terms
+    (XPress: consistency, base_anchor; a training step's record adds tree distillation's KL as "tree")."""
+    return ([*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+            + VARIANTS[cfg.model.variant].extra_terms(cfg))

@@ -243,7 +243,9 @@ def run(args, argv) -> None:
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
                    "markov_head_type": drafter.config.markov_head_type,
                    "selector_rank": drafter.config.selector_rank,
-                   "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores,
+                   "selector_top_k": drafter.config.selector_top_k,
+                   **{k: getattr(drafter.config, k) for k in drafter.variant.recipe_fields},  # XPress's
+                   "tree_scores": args.tree_scores,
                    "trained_for": trained_for(resolve_folder(args.drafter))})
     write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())

@@ -443,3 +443,26 @@ def test_bad_xpress_recipes_are_one_line_exit_2(tmp_path, small_data, override, 
                                        f"data.val={small_data / 'val.jsonl'}", override])
     assert rc == 2 and words in error_line(err), err[-2000:]
     assert not out.exists()  # nothing written
+
+
+def test_eval_and_training_import_speculators_xpress(tiny_target, tmp_path, small_data):
+    """dflash-eval --drafter and model.init_from read a checkpoint written by speculators; the eval report
+    gives the chain's Jacobi passes and the XPress fields."""
+    from dflash_train.cli.eval import main as eval_main
+    from dflash_train.cli.train import main as train_main
+
+    speculators_written_xpress(tmp_path / "spec", tiny_target)
+    eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "2", "--budgets", "0,8", "--max-new-tokens", "16",
+               "--output", str(tmp_path / "eval")])
+    rep = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert rep["variant"] == "xpress" and (rep["xpress_rank"], rep["num_jacobi_passes"]) == (12, 4)
+    assert all(r["lossless"] for r in rep["results"])
+    chain = next(r for r in rep["results"] if r["method"] == "dflash")
+    assert 1 <= chain["jacobi_passes"]["mean"] <= chain["jacobi_passes"]["max"] <= 4
+    train_main([f"output_dir={tmp_path / 'ft'}", f"model.init_from={tmp_path / 'spec'}", "max_steps=2",
+                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
+                "train.batch_size=4", f"model.block_size={B}", "model.variant=xpress", "model.xpress_rank=12",
+                "model.xpress_mlp_ratio=3", "model.num_jacobi_passes=4", "eval.max_samples=4"])
+    start, end = load_drafter(tmp_path / "spec")[0], load_drafter(tmp_path / "ft" / "final")[0]
+    for k, v in start.state_dict().items():
+        torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)

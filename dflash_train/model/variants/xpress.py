@@ -324,7 +324,10 @@ class XPress(Variant):
         return ("\n- vLLM PR #54448 feeds the anchor token in place of the token before it (slot 0's previous "
                 "token); dflash-train trains and decodes with the true one, so the first mixer column sees "
                 "other inputs there.\n- The DDTree scores each node's children with the refiner's bias on "
-                f"the backbone's top-{TREE_CANDIDATES} tokens per depth, exactly given the node's path.")
+                f"the backbone's top-{TREE_CANDIDATES} tokens per depth, exactly given the node's path."
+                "\n- speculators 0.9.0's `from_pretrained` leaves `refiner_head.causal_tril` (a buffer that is "
+                "not saved) as uninitialised memory: after loading, set it to "
+                f"`torch.tril(torch.ones({cfg.block_size}, {cfg.block_size}))`.")
 
     def card_training(self, m, loss) -> str:
         return (f", plus {loss['consistency_passes']} consistency rounds (weight {loss['consistency_weight']}) "

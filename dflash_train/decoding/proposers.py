@@ -154,7 +154,8 @@ class TreeProposer(BlockProposer):
         hidden, base_logits = self.draft(bonus, start)
         clock.lap("draft")
         scorer = self.variant.scorer(self.drafter, hidden, bonus, before) if self.conditional else None
-        return build_tree(base_logits, self.budget, scorer, token_ids=self.kept)
+        # a scorer names its nodes' target ids itself (XPress's over a draft vocabulary)
+        return build_tree(base_logits, self.budget, scorer, token_ids=None if scorer else self.kept)
 
     def observe(self, result, tree, accepted, posterior) -> None:
         super().observe(result, tree, accepted, posterior)

@@ -84,7 +84,8 @@ class ModelConfig(Section):
     # Draft vocabulary (dflash_train/model/vocab.py): the drafter predicts over the N tokens most often
     # supervised in data.train (the stop tokens always among them) through the target's rows of them,
     # frozen; exported as speculators' lm_head / d2t / t2d. null = the target's whole vocabulary.
-    # variant dflash only (DSpark's and DFlash2's [V, r] tables span the full vocabulary).
+    # variants dflash and xpress (its readout over it); DSpark's and DFlash2's [V, r] tables span the full
+    # vocabulary.
     draft_vocab_size: int | None = Field(None, ge=2)
 
 
@@ -224,8 +225,8 @@ class RunConfig(Section):
             raise ValueError("model.init_layers_from_target and model.init_from both give the drafter's "
                              "layers: choose one")
         if m.draft_vocab_size is not None and not VARIANTS[m.variant].draft_vocab:
-            raise ValueError(f"model.draft_vocab_size is for variant dflash: model.variant={m.variant} "
-                             "drafts over the full vocabulary (its Markov / selector / refiner tables span "
+            raise ValueError(f"model.draft_vocab_size is for variants dflash and xpress: model.variant="
+                             f"{m.variant} drafts over the full vocabulary (its Markov / selector tables span "
                              "it); leave draft_vocab_size null")
         if self.tree_distill.weight > 0 and self.tree_distill.every > self.max_steps:
             raise ValueError(f"tree_distill.every={self.tree_distill.every} is past "

@@ -93,9 +93,12 @@ class Variant:
         """w2 [V, r] of the low-rank logit bias u . w2^T whose u teacher_forced gives as markov_u."""
         return None
 
-    def extra_loss(self, o, target, model, cfg, normalizer, loss: torch.Tensor, m: dict):
-        """Terms beyond the block's logits, added to the main loss: -> (loss, m with m["terms"] grown by
-        extra_terms(cfg)). DSpark's and DFlash2's are still in training/objective.py."""
+    def extra_loss(self, o, model, cfg, block_loss, loss: torch.Tensor, m: dict):
+        """Terms beyond the main loss `loss` (metrics m): -> (loss, m with m["terms"] grown by
+        extra_terms(cfg)). block_loss(bias=None, grad=True) -> (loss, m) is the block's loss again
+        (same head, labels, target, normaliser) with another low-rank logit bias (u, w2), or none;
+        its m["pred"] is the argmax in the head's index space. DSpark's and DFlash2's extra terms are
+        still in training/objective.py."""
         return loss, m
 
     def extra_terms(self, cfg) -> list[str]:

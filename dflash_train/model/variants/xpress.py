@@ -45,9 +45,12 @@ DEFAULT_RANK, DEFAULT_MLP_RATIO, DEFAULT_PASSES = 256, 2, 6
 
 
 class RefinerHead(nn.Module):
-    """speculators' XPressRefinerHead, full vocabulary: the same names, shapes, init and math."""
+    """speculators' XPressRefinerHead: the same names, shapes, init and math. The token embedding spans
+    the verifier's vocabulary (prev tokens are target ids), the readout the draft vocabulary (N = the
+    drafter's draft_vocab_size, or V): the bias adds to the drafter's logits in draft space."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, block_size: int, rank: int, mlp_ratio: int):
+    def __init__(self, vocab_size: int, hidden_size: int, block_size: int, rank: int, mlp_ratio: int,
+                 draft_vocab_size: int | None = None):
         super().__init__()
         if rank <= 0 or mlp_ratio <= 0:
             raise ValueError(f"RefinerHead needs rank > 0 and mlp_ratio > 0, got {rank}, {mlp_ratio}")
@@ -61,7 +64,7 @@ class RefinerHead(nn.Module):
         self.mlp_gate = nn.Linear(r, mlp_ratio * r, bias=False)
         self.mlp_up = nn.Linear(r, mlp_ratio * r, bias=False)
         self.mlp_down = nn.Linear(mlp_ratio * r, r, bias=False)
-        self.readout = nn.Linear(r, vocab_size, bias=False)
+        self.readout = nn.Linear(r, draft_vocab_size or vocab_size, bias=False)
         self.register_buffer("causal_tril", torch.tril(torch.ones(block_size, block_size)), persistent=False)
         # speculators' init: N(0, 0.02) everywhere, the mixer 0 (the drafter's own init ran before this)
         for m in self.modules():
@@ -85,7 +88,7 @@ class RefinerHead(nn.Module):
         return x + self.mlp_down(F.silu(self.mlp_gate(x)) * self.mlp_up(x))
 
     def forward(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """prev [N, B], hidden [N, B, H] -> the bias [N, B, V] (speculators' block_bias)."""
+        """prev [N, B], hidden [N, B, H] -> the bias [N, B, draft vocabulary] (speculators' block_bias)."""
         return self.readout(self.latent(prev, self.hidden_cache(hidden)))
 
 
@@ -104,9 +107,15 @@ def teacher_forced(drafter, block_hidden: torch.Tensor, block_tokens: torch.Tens
     return y[:, 1:].reshape(b, A, B - 1, -1), hcache
 
 
+def kept_ids(drafter) -> torch.Tensor | None:
+    """[N] the target id of each draft index (speculators' d2v: i + d2t[i]); None: the full vocabulary."""
+    return None if drafter.lm_head is None else drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)
+
+
 @torch.no_grad()
 def refined_logits(head: RefinerHead, hcache: torch.Tensor, base_logits: torch.Tensor, prev: torch.Tensor):
-    """One refine pass of one block: hcache [1, B, 2r], base_logits [B-1, V], prev [B] -> [B-1, V]."""
+    """One refine pass of one block: hcache [1, B, 2r], base_logits [B-1, N], prev [B] (target ids) ->
+    [B-1, N]."""
     y = head.latent(prev[None], hcache)[0, 1:]
     return base_logits + head.readout(y.to(head.readout.weight.dtype)).to(base_logits.dtype)
 
@@ -115,17 +124,18 @@ def refined_logits(head: RefinerHead, hcache: torch.Tensor, base_logits: torch.T
 def jacobi_chain(drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus: int, before: int,
                  passes: int | None = None) -> tuple[torch.Tensor, int]:
     """The greedy XPress chain by Jacobi passes (vLLM PR #54448's recurrence, with the true token before
-    the bonus token, as training feeds it). hidden [B, H], base_logits [B-1, V] -> (tokens [B-1], passes
-    run). Pass j refines every slot on pass j-1's tokens (pass 0: the backbone's argmax); it stops at the
+    the bonus token, as training feeds it). hidden [B, H], base_logits [B-1, N] (a draft vocabulary's
+    indices, or N = V) -> (tokens [B-1] in the same indices, passes run). Pass j refines every slot on pass j-1's tokens (pass 0: the backbone's argmax); it stops at the
     first pass that changes no token, and after B-1 passes (then the chain is the sequential greedy one,
     a fixed point), so the tokens are those of `passes` (default num_jacobi_passes) passes."""
-    head, B = drafter.refiner_head, hidden.shape[0]
+    head, B, kept = drafter.refiner_head, hidden.shape[0], kept_ids(drafter)
     passes = drafter.config.num_jacobi_passes if passes is None else passes
     hcache = head.hidden_cache(hidden[None])
     tokens = base_logits.argmax(-1)
     fixed = torch.tensor([before, bonus], device=tokens.device)
     for used in range(1, min(passes, B - 1) + 1):
-        new = refined_logits(head, hcache, base_logits, torch.cat([fixed, tokens[:-1]])).argmax(-1)
+        drafted = tokens[:-1] if kept is None else kept[tokens[:-1]]  # the refiner reads target ids
+        new = refined_logits(head, hcache, base_logits, torch.cat([fixed, drafted])).argmax(-1)
         if torch.equal(new, tokens):
             return tokens, used
         tokens = new
@@ -138,37 +148,48 @@ class XPressScorer:
     refiner's mixer is causal, so that is exact (no later token enters).
 
     As dspark.MarkovScorer: per depth the candidates C_d are the backbone's top-M tokens (M = min(
-    candidates, V)), the bias is added on them only, and log p is normalised over the whole vocabulary
-    with the non-candidates at their backbone logits (exact when M >= V). The carry of a node is its
-    path's mixer inputs a_0..a_d [d+1, r]; per node: one [r, r] mat-vec for the token's input, the mixer
-    (d+2 terms), the SwiGLU ([m r, r] twice and back) and the candidates' readout [M, r]; float32 numpy.
+    candidates, N)), the bias is added on them only, and log p is normalised over the whole (draft)
+    vocabulary with the non-candidates at their backbone logits (exact when M >= N). The carry of a node
+    is its path's mixer inputs a_0..a_d [d+1, r]; per node: one [r, r] mat-vec for the token's input, the
+    mixer (d+2 terms), the SwiGLU ([m r, r] twice and back) and the candidates' readout [M, r]; float32
+    numpy. With a draft vocabulary (`kept`: [N] target id of each column) the logits are [L, N] in draft
+    space and the nodes carry target ids (build_tree then takes no token_ids).
     """
 
     def __init__(self, head: RefinerHead, hidden: torch.Tensor, bonus: int, before: int,
-                 candidates: int = TREE_CANDIDATES):
+                 candidates: int = TREE_CANDIDATES, kept: torch.Tensor | None = None):
         """hidden [B, H]: the block's final-normed states (slot 0 = the bonus token)."""
         self.head, self.hidden, self.bonus, self.before = head, hidden, bonus, before
-        self.candidates = candidates
+        self.candidates, self.kept = candidates, kept
 
     @torch.no_grad()
     def expander(self, draft_logits: torch.Tensor, K: int):
         """draft_logits [L, V] (depth d = row d-1) -> (expand, root token, root carry) for ddtree.best_first."""
         head, V = self.head, draft_logits.shape[-1]
         M, K = min(self.candidates, V), min(K, self.candidates, V)
-        cands = _Candidates(draft_logits, M, SimpleNamespace(markov_w1=head.token_embed, markov_w2=head.readout))
+        # token_embed rows of a depth's candidates, looked up by target id (W1's role in _Candidates)
+        embed = SimpleNamespace(weight=head.token_embed.weight.detach())
+        cands = _Candidates(draft_logits, M, SimpleNamespace(markov_w1=embed, markov_w2=head.readout))
+        cols, readout = cands.ids, {}  # [L, M] each depth's candidate columns; depth -> their readout rows
+        if self.kept is not None:  # columns -> target ids: the nodes' tokens and the embedding rows
+            cands.ids = self.kept.cpu().numpy()[cols]
         step = _RefineStep(head, self.hidden)
-        embed = head.token_embed.weight.detach()
+
+        def readout_of(depth: int) -> np.ndarray:
+            if depth not in readout:
+                readout[depth] = _rows(head.readout.weight.detach(), cols[depth])
+            return readout[depth]
 
         def expand(token: int, carry, depth: int):
-            e = _rows(embed, [token])[0] if depth == 0 else cands.w1_of(depth, token)
+            e = _rows(embed.weight, [token])[0] if depth == 0 else cands.w1_of(depth, token)
             y, child_carry = step(e, carry, depth + 1)
-            z = cands.vals[depth] + cands.w2_of(depth) @ y  # [M] the candidates' refined logits
+            z = cands.vals[depth] + readout_of(depth) @ y  # [M] the candidates' refined logits
             peak = z.max()
             log_norm = np.logaddexp(cands.rest[depth], peak + np.log(np.exp(z - peak).sum()))
             order = np.argsort(-z, kind="stable")[:K]  # ties: the better backbone rank first
             return (z[order] - log_norm).tolist(), cands.ids[depth, order].tolist(), child_carry
 
-        root_carry = step.first(_rows(embed, [self.before])[0])  # a_0: slot 0 after the token before it
+        root_carry = step.first(_rows(embed.weight, [self.before])[0])  # a_0: slot 0 after the token before it
         return expand, self.bonus, root_carry
 
 
@@ -205,9 +226,8 @@ class XPress(Variant):
     recipe_fields = ("xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes")
     grows_from = ("dflash",)
     grown = ("refiner_head.",)
-    # The readout over a draft vocabulary is speculators' [N, r] (with d2t mapping the argmax back), but
-    # vLLM's XPress refuses N < V and our tree scorers take the full vocabulary: refused for now.
-    draft_vocab = False
+    # a draft vocabulary: the readout is [N, r] over it (speculators'), the token embedding stays [V, r]
+    draft_vocab = True
     heads_outside_forward = True
     native_refusal = ("the native DFlash format has no refiner head: export an XPress drafter with "
                       "--format speculators")
@@ -217,11 +237,12 @@ class XPress(Variant):
         return ChainDraft(tokens, passes=passes)
 
     def scorer(self, drafter, hidden, bonus, before=None):
-        return XPressScorer(drafter.refiner_head, hidden, bonus, bonus if before is None else before)
+        return XPressScorer(drafter.refiner_head, hidden, bonus, bonus if before is None else before,
+                            kept=kept_ids(drafter))
 
     def add_modules(self, drafter, config) -> None:
         drafter.refiner_head = RefinerHead(config.vocab_size, config.hidden_size, config.block_size,
-                                           config.xpress_rank, config.xpress_mlp_ratio)
+                                           config.xpress_rank, config.xpress_mlp_ratio, config.draft_vocab_size)
 
     def teacher_forced(self, drafter, block_hidden, block_tokens, before=None) -> dict:
         y, hcache = teacher_forced(drafter, block_hidden, block_tokens,
@@ -234,31 +255,29 @@ class XPress(Variant):
     def extra_terms(self, cfg) -> list[str]:
         return ["consistency", "base_anchor"]
 
-    def extra_loss(self, o, target, model, cfg, normalizer, loss, m):
+    def extra_loss(self, o, model, cfg, block_loss, loss, m):
         """speculators' XPress loss: + consistency_weight x the mean of the free-running rounds' losses
         + base_anchor_weight x the backbone's own loss (the same terms, slot weights and normaliser as
-        the teacher-forced pass, which `loss` is). Reported as the terms "consistency", "base_anchor"."""
-        from dflash_train.model.loss import dflash_loss
-
-        L, head, w2 = cfg.loss, model.refiner_head, model.refiner_head.readout.weight
+        the teacher-forced pass, which `loss` is). Reported as the terms "consistency", "base_anchor".
+        A round's argmax is in draft indices; the refiner reads it as target ids (speculators' d2v)."""
+        L, head, w2, kept = cfg.loss, model.refiner_head, model.refiner_head.readout.weight, kept_ids(model)
         rounds_on = L.consistency_weight > 0 and L.consistency_passes > 0
-        args = (o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, L)
         zero = loss.new_zeros(())
         base = zero
         if L.base_anchor_weight > 0:
-            base, mb = dflash_loss(*args, normalizer=normalizer)
+            base, mb = block_loss()
         elif rounds_on:
-            with torch.no_grad():
-                _, mb = dflash_loss(*args, normalizer=normalizer)
+            _, mb = block_loss(grad=False)  # only the seed: the backbone's argmax
         rounds = []
         if rounds_on:
             b, A, K = o.tokens.shape
             pred, hcache = mb["pred"], o.variant_state["hcache"]
             fixed = torch.stack([o.before, o.bonus], dim=-1)  # [b, A, 2]
             for _ in range(L.consistency_passes):
-                prev = torch.cat([fixed, pred[..., :-1]], dim=-1).reshape(b * A, K + 1)
+                drafted = pred[..., :-1] if kept is None else kept[pred[..., :-1]]
+                prev = torch.cat([fixed, drafted], dim=-1).reshape(b * A, K + 1)
                 y = head.latent(prev, hcache)[:, 1:].reshape(b, A, K, -1)
-                round_loss, mj = dflash_loss(*args, normalizer=normalizer, markov_bias=(y, w2))
+                round_loss, mj = block_loss((y, w2))
                 rounds.append(round_loss)
                 pred = mj["pred"]
         consistency = torch.stack(rounds).mean() if rounds else zero
@@ -286,14 +305,11 @@ class XPress(Variant):
             raise ValueError(f"xpress_rank {fields.xpress_rank} is above the hidden size {fields.hidden_size}")
 
     def from_speculators(self, config: dict) -> dict:
-        """speculators' XPress default is sample_from_anchor false, the only layout read."""
+        """speculators' XPress default is sample_from_anchor false, the only layout read. A draft
+        vocabulary (draft_vocab_size < V, lm_head / d2t / t2d) is read as for DFlash (formats.py)."""
         if config.get("sample_from_anchor", False):
             raise UserError("XPress config has sample_from_anchor true: dflash-train reads only false (the "
                             "bonus token at block slot 0, B-1 drafted tokens)")
-        vocab, size = config["transformer_layer_config"]["vocab_size"], config.get("draft_vocab_size")
-        if size is not None and size < vocab:
-            raise UserError(f"XPress config has draft_vocab_size {size} < {vocab}: dflash-train's XPress "
-                            "drafts over the full vocabulary")
         return {"variant": "xpress", "xpress_rank": int(config.get("xpress_rank", DEFAULT_RANK)),
                 "xpress_mlp_ratio": int(config.get("xpress_mlp_ratio", DEFAULT_MLP_RATIO)),
                 "num_jacobi_passes": int(config.get("num_jacobi_passes", DEFAULT_PASSES))}
@@ -321,7 +337,9 @@ class XPress(Variant):
                 f"dflash-eval --drafter {serve_ref}")
 
     def card_limitations(self, cfg) -> str:
-        return ("\n- vLLM PR #54448 feeds the anchor token in place of the token before it (slot 0's previous "
+        vocab = ("\n- vLLM PR #54448's XPress refuses a draft vocabulary (draft_vocab_size < the verifier's); "
+                 "speculators and dflash-train read it." if cfg.draft_vocab_size else "")
+        return vocab + ("\n- vLLM PR #54448 feeds the anchor token in place of the token before it (slot 0's previous "
                 "token); dflash-train trains and decodes with the true one, so the first mixer column sees "
                 "other inputs there.\n- The DDTree scores each node's children with the refiner's bias on "
                 f"the backbone's top-{TREE_CANDIDATES} tokens per depth, exactly given the node's path."

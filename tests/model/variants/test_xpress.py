@@ -359,37 +359,42 @@ def speculators_written_xpress(folder, target, sample_from_anchor=False, draft_v
         for name, p in model.named_parameters():
             if not name.startswith(("embed_tokens", "lm_head", "verifier_")):
                 p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
-    if draft_vocab_size:  # the first N tokens: t2d marks them, d2t's offsets are 0
+    if draft_vocab_size:  # N random tokens: t2d marks them, draft index i is target id i + d2t[i]
+        kept = torch.randperm(ours.vocab_size)[:draft_vocab_size].sort().values
         t2d = torch.zeros(ours.vocab_size, dtype=torch.bool)
-        t2d[:draft_vocab_size] = True
-        model.load_vocab_mappings(t2d, torch.zeros(draft_vocab_size, dtype=torch.long))
+        t2d[kept] = True
+        model.load_vocab_mappings(t2d, kept - torch.arange(draft_vocab_size))
     model.load_verifier_weights()
     model.save_pretrained(str(folder))
     return model
 
 
+@pytest.mark.parametrize("draft_vocab_size", [None, 500])
 @torch.no_grad()
-def test_speculators_written_checkpoint_is_read(tiny_target, tmp_path, monkeypatch):
-    spec = speculators_written_xpress(tmp_path / "spec", tiny_target)
+def test_speculators_written_checkpoint_is_read(tiny_target, tmp_path, monkeypatch, draft_vocab_size):
+    """A speculators-written XPress folder (full vocabulary, or a draft vocabulary of 500 random tokens:
+    readout [N, r] over it, lm_head / d2t / t2d) gives speculators' teacher-forced refined logits."""
+    spec = speculators_written_xpress(tmp_path / "spec", tiny_target, draft_vocab_size=draft_vocab_size)
     drafter, meta = load_drafter(tmp_path / "spec")
     drafter.eval()
     c = drafter.config
     assert meta["format"] == "speculators" and meta["target"]["name_or_path"] == str(TINY_TARGET)
     assert (c.variant, c.xpress_rank, c.xpress_mlp_ratio, c.num_jacobi_passes) == ("xpress", 12, 3, 4)
+    assert c.draft_vocab_size == draft_vocab_size
+    if draft_vocab_size:
+        assert torch.equal(drafter.t2d, spec.t2d) and drafter.refiner_head.readout.weight.shape == (500, 12)
     spec.eval()
     ids, anchors = data(seed=6, T=26)
     anchors = torch.tensor([1, 8, 19])
     tf, _, base = speculators_forward(spec, tiny_target, ids, anchors, monkeypatch)
     o = our_blocks(drafter, tiny_target, ids, anchors)
-    ours = tiny_target.lm_head(o.draft_hidden[0]) + drafter.refiner_head.readout(o.markov_u[0])
+    ours = drafter.logits_head(tiny_target.lm_head)(o.draft_hidden[0]) + drafter.refiner_head.readout(o.markov_u[0])
     torch.testing.assert_close(ours, tf[:, 1:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("kw, match", [({"sample_from_anchor": True}, "sample_from_anchor true"),
-                                       ({"draft_vocab_size": 500}, "draft_vocab_size 500")])
-def test_speculators_layouts_we_do_not_draft_are_refused(tiny_target, tmp_path, kw, match):
-    speculators_written_xpress(tmp_path / "spec", tiny_target, **kw)
-    with pytest.raises(UserError, match=match) as e:
+def test_speculators_sample_from_anchor_is_refused(tiny_target, tmp_path):
+    speculators_written_xpress(tmp_path / "spec", tiny_target, sample_from_anchor=True)
+    with pytest.raises(UserError, match="sample_from_anchor true") as e:
         load_drafter(tmp_path / "spec")
     assert "\n" not in str(e.value)
 
@@ -431,7 +436,6 @@ def test_xpress_refuses_engines_that_cannot_gather_its_head(monkeypatch):
     ("model.num_jacobi_passes=0", "num_jacobi_passes"),
     ("loss.consistency_weight=.inf", "consistency_weight"),
     ("loss.base_anchor_weight=.nan", "base_anchor_weight"),
-    ("model.draft_vocab_size=100", "draft_vocab_size"),
     ("tree_distill.weight=1", "tree_distill"),
 ])
 def test_bad_xpress_recipes_are_one_line_exit_2(tmp_path, small_data, override, words):
@@ -466,3 +470,92 @@ def test_eval_and_training_import_speculators_xpress(tiny_target, tmp_path, smal
     start, end = load_drafter(tmp_path / "spec")[0], load_drafter(tmp_path / "ft" / "final")[0]
     for k, v in start.state_dict().items():
         torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
+
+
+# --- a draft vocabulary ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def xpress_draft_vocab(tmp_path_factory, small_data):
+    """An XPress drafter grown (model.init_from) from a DFlash drafter with a 128-token draft vocabulary,
+    trained a few steps: the vocabulary kept, the readout over it."""
+    from draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
+    from dflash_train.cli.train import main as train_main
+
+    dflash, _ = draft_vocab_run(tmp_path_factory, small_data)
+    out = tmp_path_factory.mktemp("xpress-vocab") / "run"
+    train_main([f"output_dir={out}", f"model.init_from={dflash / 'final'}", "model.variant=xpress",
+                f"model.xpress_rank={RANK}", f"model.draft_vocab_size={DRAFT_VOCAB}", "model.num_layers=1",
+                "max_steps=6", "train.lr=3e-3", "train.batch_size=8", "data.num_anchors=16", "log_every=1",
+                "eval.every=0", "eval.max_samples=4", "checkpoint_every=0", "loss.terms={ce: 0.1, tv: 0.9}",
+                f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}"])
+    return dflash / "final", out
+
+
+def test_draft_vocabulary_run_keeps_the_vocabulary_and_lowers_the_loss(xpress_draft_vocab):
+    dflash_dir, out = xpress_draft_vocab
+    start, end = load_drafter(dflash_dir)[0], load_drafter(out / "final")[0]
+    assert end.config.draft_vocab_size == 128 and torch.equal(end.t2d, start.t2d)
+    assert end.refiner_head.readout.weight.shape == (128, RANK)
+    assert end.refiner_head.token_embed.weight.shape[0] == end.config.vocab_size
+    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    assert losses[-1] < losses[0], losses
+
+
+@pytest.mark.parametrize("method, budget", [("dflash", 0), ("ddtree", 8), ("ddtree", 48)])
+def test_draft_vocabulary_decoding_is_lossless_and_stays_in_it(tiny_target, xpress_draft_vocab, monkeypatch,
+                                                                method, budget):
+    import dflash_train.decoding.decode as decode_module
+
+    drafter = load_drafter(xpress_draft_vocab[1] / "final")[0].eval()
+    with torch.no_grad():  # a refiner bias of a few logits: it changes the drafts
+        drafter.refiner_head.readout.weight.normal_(0, 1.0)
+        drafter.refiner_head.mix_l.normal_(0, 0.5)
+    trees, real = [], decode_module.verify
+    monkeypatch.setattr(decode_module, "verify", lambda target, cache, tree, *a: trees.append(tree)
+                        or real(target, cache, tree, *a))
+    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
+    for q in QUESTIONS[:3]:
+        ids = chat_prompt(tiny_target.tokenizer, q)
+        ar = decode(tiny_target, None, ids, "ar", max_new_tokens=40, stop_ids=stops)
+        trees.clear()
+        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=40, stop_ids=stops)
+        assert r.tokens == ar.tokens, q
+        for tree in trees:
+            assert bool(drafter.t2d[tree.tokens].all()) and bool(torch.isfinite(tree.log_probs).all())
+
+
+@torch.no_grad()
+def test_draft_vocabulary_export_loads_in_speculators(tiny_target, xpress_draft_vocab, tmp_path, monkeypatch):
+    from speculators import SpeculatorModel
+    from speculators.models.xpress import XPressSpeculatorConfig
+    from dflash_train.cli.export import main as export_main
+
+    final = xpress_draft_vocab[1] / "final"
+    export_main(["--format", "speculators", "--checkpoint", str(final), "--output", str(tmp_path / "spec")])
+    config = XPressSpeculatorConfig.from_pretrained(str(tmp_path / "spec"))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    spec = SpeculatorModel.from_pretrained(str(tmp_path / "spec"), config=config, verifier=str(TINY_TARGET)).eval()
+    ours = load_drafter(final)[0].eval()
+    assert spec.draft_vocab_size == 128 and torch.equal(spec.t2d, ours.t2d)
+    Bs = ours.config.block_size
+    spec.refiner_head.causal_tril.copy_(torch.tril(torch.ones(Bs, Bs)))  # see test_xpress_export.py
+    ids, anchors = data(seed=7)
+    anchors = torch.tensor([2, 9, 15])
+    import speculators.models.dflash.core as dflash_core
+    import speculators.models.xpress.core as xpress_core
+    seen = {}
+
+    def grab(logits_tf, *a, **k):
+        seen["tf"] = logits_tf
+        raise Captured
+    monkeypatch.setattr(dflash_core, "select_anchors", lambda lm, n, bs: (anchors, torch.ones(n, dtype=torch.bool)))
+    monkeypatch.setattr(xpress_core, "compute_metrics", grab)
+    out = tiny_target.model.get_decoder()(input_ids=ids, output_hidden_states=True)
+    taps = torch.cat([out.hidden_states[i] for i in spec.config.aux_hidden_state_layer_ids], -1)
+    with pytest.raises(Captured):
+        spec(hidden_states=taps, input_ids=ids, loss_mask=torch.ones_like(ids),
+             verifier_last_hidden_states=torch.zeros(1, ids.shape[1], ours.config.hidden_size),
+             document_ids=torch.zeros_like(ids), max_anchors=3)
+    o = our_blocks(ours, tiny_target, ids, anchors)
+    mine = ours.lm_head(o.draft_hidden[0]) + ours.refiner_head.readout(o.markov_u[0])
+    torch.testing.assert_close(mine, seen["tf"].view(3, Bs, -1)[:, 1:], rtol=1e-5, atol=1e-5)

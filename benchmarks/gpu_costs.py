@@ -56,7 +56,8 @@ from dflash_train.model.drafter import ContextCache, DFlashDrafter, DrafterConfi
 from dflash_train.model.target import Target, taps_from_hidden_states
 from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_chain
 from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, markov_chain
-from dflash_train.model.variants.xpress import DEFAULT_MLP_RATIO, DEFAULT_PASSES, RefinerHead, XPressScorer, jacobi_chain
+from dflash_train.model.variants.xpress import (DEFAULT_MLP_RATIO, DEFAULT_PASSES, RefinerHead, XPressScorer,
+                                                jacobi_chain)
 
 # Qwen3-8B's config.json, and the published drafter z-lab/Qwen3-8B-DFlash-b16 (see shared/reference/dflash.md).
 QWEN3_8B = dict(
@@ -183,7 +184,8 @@ def scorer_costs(drafter, target, ctx, bonus: int, start: int, draft_logits: tor
     scorer = XPressScorer(refiner, hidden, bonus, bonus)
     trees["xpress"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
     # what jacobi_chain reads of a drafter; the walk is its passes (at most 6, fewer at a fixed point)
-    holder = SimpleNamespace(refiner_head=refiner, lm_head=None, config=SimpleNamespace(num_jacobi_passes=DEFAULT_PASSES))
+    holder = SimpleNamespace(refiner_head=refiner, lm_head=None,
+                             config=SimpleNamespace(num_jacobi_passes=DEFAULT_PASSES))
     walks["xpress"] = median_ms(lambda: jacobi_chain(holder, hidden, draft_logits, bonus, bonus), repeats, device)
     for key in trees:
         print(f"{key:>14}: tree " + ", ".join(f"{b}: {ms:.3f}" for b, ms in trees[key].items())

@@ -113,7 +113,7 @@ def parse_args(argv):
     p.add_argument("--budgets", default="4,16,64,256",
                    help="DDTree budgets (non-root nodes); 0 = plain decoding")
     p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
-                   help="a DSpark or DFlash2 drafter's DDTree: path-conditioned (default; DFlash2: by its "
+                   help="a DSpark, DFlash2 or XPress drafter's DDTree: path-conditioned (default; DFlash2: by its "
                         "selector) or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")

@@ -125,9 +125,10 @@ def jacobi_chain(drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus
                  passes: int | None = None) -> tuple[torch.Tensor, int]:
     """The greedy XPress chain by Jacobi passes (vLLM PR #54448's recurrence, with the true token before
     the bonus token, as training feeds it). hidden [B, H], base_logits [B-1, N] (a draft vocabulary's
-    indices, or N = V) -> (tokens [B-1] in the same indices, passes run). Pass j refines every slot on pass j-1's tokens (pass 0: the backbone's argmax); it stops at the
-    first pass that changes no token, and after B-1 passes (then the chain is the sequential greedy one,
-    a fixed point), so the tokens are those of `passes` (default num_jacobi_passes) passes."""
+    indices, or N = V) -> (tokens [B-1] in the same indices, passes run). Pass j refines every slot on
+    pass j-1's tokens (pass 0: the backbone's argmax); it stops at the first pass that changes no token
+    (counted: it is run), and after B-1 passes (the chain is then the sequential greedy one, a fixed
+    point), so the tokens are those of `passes` (default num_jacobi_passes) passes."""
     head, B, kept = drafter.refiner_head, hidden.shape[0], kept_ids(drafter)
     passes = drafter.config.num_jacobi_passes if passes is None else passes
     hcache = head.hidden_cache(hidden[None])

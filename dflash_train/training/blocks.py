@@ -107,10 +107,11 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                       budgets: list[int], max_blocks: int, conditional=None,
-                      hidden: torch.Tensor | None = None, bonus: torch.Tensor | None = None) -> torch.Tensor:
+                      hidden: torch.Tensor | None = None, bonus: torch.Tensor | None = None,
+                      before: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
     distributions, walked along the target's tokens (labels) while they are in the tree.
-    With `conditional` (block hidden [B, H], bonus) -> scorer (dspark.MarkovScorer over DSpark's
+    With `conditional` (block hidden [B, H], bonus, before: the token before it) -> scorer (dspark.MarkovScorer over DSpark's
     head, dflash2.SelectorScorer over DFlash2's selector), draft_logits are the backbone's and the
     tree is path-conditioned, on hidden [.., B, H] and the bonus tokens [..].
     Returns summable counts [len(budgets) + 1 + 4]: accepted tokens per budget, blocks, then
@@ -122,6 +123,7 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
     if conditional is not None:
         hidden = hidden.reshape(-1, *hidden.shape[-2:])[: max_blocks]  # [N, B, H]
         bonus = bonus.reshape(-1)[: max_blocks].tolist()
+        before = None if before is None else before.reshape(-1)[: max_blocks].tolist()
     # Nodes are numbered in best-first pop order, so the tree of budget b is exactly the nodes
     # 1..b of the largest tree: build that once and count, per budget, the path nodes <= b.
     counts = torch.zeros(len(budgets) + 1 + 4, dtype=torch.float64)
@@ -129,7 +131,8 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
         if not ok[0] or not budgets:
             continue
         counts[len(budgets)] += 1
-        scorer = None if conditional is None else conditional(hidden[i], bonus[i])
+        scorer = None if conditional is None else conditional(hidden[i], bonus[i],
+                                                              None if before is None else before[i])
         tree, cur, path = build_tree(logits[i], max(budgets), scorer), 0, []
         for tok, v in zip(lab, ok):
             if not v or tok not in tree.children[cur]:

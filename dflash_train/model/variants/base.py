@@ -89,6 +89,12 @@ class Variant:
         before [b, A] the token before each anchor."""
         return {}
 
+    def cpu_tree_scorer(self, model):
+        """Validation's path-conditioned trees: (block hidden [B, H], bonus, before) -> scorer over a CPU
+        float32 copy of the variant's head (every process calls it: FSDP gathers); None: validate.py's
+        (DSpark's, DFlash2's) or the marginal tree."""
+        return None
+
     def bias_weight(self, model) -> torch.Tensor | None:
         """w2 [V, r] of the low-rank logit bias u . w2^T whose u teacher_forced gives as markov_u."""
         return None

@@ -153,15 +153,17 @@ class XPressScorer:
     vocabulary with the non-candidates at their backbone logits (exact when M >= N). The carry of a node
     is its path's mixer inputs a_0..a_d [d+1, r]; per node: one [r, r] mat-vec for the token's input, the
     mixer (d+2 terms), the SwiGLU ([m r, r] twice and back) and the candidates' readout [M, r]; float32
-    numpy. With a draft vocabulary (`kept`: [N] target id of each column) the logits are [L, N] in draft
-    space and the nodes carry target ids (build_tree then takes no token_ids).
+    numpy. With a draft vocabulary either the logits are [L, N] in draft space (`kept`: [N] target id of
+    each column; the nodes carry target ids, build_tree then takes no token_ids), or [L, V] scattered
+    with -inf outside it (`readout_row`: [V] the readout row of each target id, validation's trees).
     """
 
     def __init__(self, head: RefinerHead, hidden: torch.Tensor, bonus: int, before: int,
-                 candidates: int = TREE_CANDIDATES, kept: torch.Tensor | None = None):
+                 candidates: int = TREE_CANDIDATES, kept: torch.Tensor | None = None,
+                 readout_row: torch.Tensor | None = None):
         """hidden [B, H]: the block's final-normed states (slot 0 = the bonus token)."""
         self.head, self.hidden, self.bonus, self.before = head, hidden, bonus, before
-        self.candidates, self.kept = candidates, kept
+        self.candidates, self.kept, self.readout_row = candidates, kept, readout_row
 
     @torch.no_grad()
     def expander(self, draft_logits: torch.Tensor, K: int):
@@ -178,7 +180,8 @@ class XPressScorer:
 
         def readout_of(depth: int) -> np.ndarray:
             if depth not in readout:
-                readout[depth] = _rows(head.readout.weight.detach(), cols[depth])
+                rows = cols[depth] if self.readout_row is None else self.readout_row.cpu().numpy()[cols[depth]]
+                readout[depth] = _rows(head.readout.weight.detach(), rows)
             return readout[depth]
 
         def expand(token: int, carry, depth: int):
@@ -252,6 +255,21 @@ class XPress(Variant):
 
     def bias_weight(self, model):
         return model.refiner_head.readout.weight
+
+    def cpu_tree_scorer(self, model):
+        """XPressScorer over a CPU float32 copy of the refiner (validation's logits are [.., V], -inf outside
+        a draft vocabulary: readout_row maps a target id to its readout row; outside ids stay at -inf)."""
+        from torch.distributed.tensor import DTensor
+
+        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
+                 for k, v in model.refiner_head.state_dict().items()}
+        c = model.config
+        copy = RefinerHead(c.vocab_size, c.hidden_size, c.block_size, c.xpress_rank, c.xpress_mlp_ratio,
+                           c.draft_vocab_size)
+        copy.load_state_dict(state)
+        copy.eval()
+        row = None if model.lm_head is None else (model.t2d.long().cumsum(0) - 1).clamp(min=0).cpu()
+        return lambda hidden, bonus, before: XPressScorer(copy, hidden, bonus, before, readout_row=row)
 
     def extra_terms(self, cfg) -> list[str]:
         return ["consistency", "base_anchor"]

@@ -559,3 +559,27 @@ def test_draft_vocabulary_export_loads_in_speculators(tiny_target, xpress_draft_
     o = our_blocks(ours, tiny_target, ids, anchors)
     mine = ours.lm_head(o.draft_hidden[0]) + ours.refiner_head.readout(o.markov_u[0])
     torch.testing.assert_close(mine, seen["tf"].view(3, Bs, -1)[:, 1:], rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def test_validation_trees_are_the_decoding_trees(tiny_target, xpress_draft_vocab):
+    """validate.cpu_tree_scorer gives XPress's path-conditioned tree (over a CPU copy of the refiner, on the
+    [.., V] logits validation builds, -inf outside a draft vocabulary): the same tree decoding builds."""
+    from dflash_train.training.validate import cpu_tree_scorer
+
+    drafters = [random_xpress(tiny_target, seed=8), load_drafter(xpress_draft_vocab[1] / "final")[0].eval()]
+    for drafter in drafters:
+        with torch.no_grad():
+            drafter.refiner_head.readout.weight.normal_(0, 1.0)
+        torch.manual_seed(2)
+        hidden = torch.randn(drafter.config.block_size, drafter.config.hidden_size)
+        bonus, before = 21, 5
+        full = drafter.full_logits(hidden[1:], tiny_target.lm_head)  # validation's [B-1, V]
+        draft = drafter.logits_head(tiny_target.lm_head)(hidden[1:])  # decoding's [B-1, N]
+        validation = build_tree(full, 24, cpu_tree_scorer(drafter)(hidden, bonus, before))
+        decoding = build_tree(draft, 24, drafter.variant.scorer(drafter, hidden, bonus, before))
+        assert validation.tokens.tolist() == decoding.tokens.tolist()
+        assert validation.parents.tolist() == decoding.parents.tolist()
+        torch.testing.assert_close(validation.log_probs, decoding.log_probs, rtol=1e-4, atol=1e-4)
+        marginal = build_tree(full, 24)
+        assert marginal.tokens.tolist() != validation.tokens.tolist()  # the refiner changed the tree

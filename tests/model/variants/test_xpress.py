@@ -583,3 +583,34 @@ def test_validation_trees_are_the_decoding_trees(tiny_target, xpress_draft_vocab
         torch.testing.assert_close(validation.log_probs, decoding.log_probs, rtol=1e-4, atol=1e-4)
         marginal = build_tree(full, 24)
         assert marginal.tokens.tolist() != validation.tokens.tolist()  # the refiner changed the tree
+
+
+@pytest.mark.parametrize("method, budget", [("dflash", 0), ("ddtree", 16)])
+def test_sampling_on_the_tiny_target_follows_its_distribution(tiny_target, trained_backbone, method, budget):
+    """Temperature 1 on the tiny target: the 2nd token (the first the accept walk over XPress's chain or
+    tree decides) follows the target's own marginal, exact by one batched forward over every 1st token
+    (chi-square at p > 1e-3, rare tokens pooled), and drafted tokens were accepted."""
+    drafter = xpress_on_backbone(trained_backbone, tiny_target)
+    # not a chat prompt: there the tiny target's 2nd token is ~certain (p > 0.99), a one-cell test; after
+    # "1 2 3" seven tokens are each expected 5+ times in 600 draws, and drafted tokens are accepted
+    prompt = tiny_target.tokenizer("1 2 3", return_tensors="pt")["input_ids"]
+    model, V = tiny_target.model, tiny_target.model.config.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(model(prompt).logits[0, -1].double(), -1)
+        seqs = torch.cat([prompt.expand(V, -1), torch.arange(V)[:, None]], 1)
+        p2 = (p1[:, None] * torch.softmax(model(seqs).logits[:, -1].double(), -1)).sum(0)
+    gen = torch.Generator().manual_seed(0)
+    N, counts, accepted = 600, torch.zeros(V), 0
+    for _ in range(N):
+        r = decode(tiny_target, drafter, prompt, method, budget, temperature=1.0, max_new_tokens=3, generator=gen)
+        counts[r.tokens[1]] += 1
+        accepted += r.accept_lengths[0] - 1
+    assert accepted > N // 20, accepted  # the walk followed drafted tokens
+    expected = N * p2
+    keep = expected >= 5
+    obs = torch.cat([counts.double()[keep], counts.double()[~keep].sum()[None]])
+    exp = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    chi2, dof = float(((obs - exp) ** 2 / exp).sum()), len(obs) - 1
+    assert dof >= 5  # a test of the distribution, not of one certain token
+    limit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
+    assert chi2 < limit, (chi2, limit, dof)

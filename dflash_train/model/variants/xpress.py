@@ -329,7 +329,10 @@ class XPress(Variant):
         if config.get("sample_from_anchor", False):
             raise UserError("XPress config has sample_from_anchor true: dflash-train reads only false (the "
                             "bonus token at block slot 0, B-1 drafted tokens)")
-        return {"variant": "xpress", "xpress_rank": int(config.get("xpress_rank", DEFAULT_RANK)),
+        rank, hidden = int(config.get("xpress_rank", DEFAULT_RANK)), config["transformer_layer_config"]["hidden_size"]
+        if rank > hidden:
+            raise UserError(f"XPress config has xpress_rank {rank} above the hidden size {hidden}")
+        return {"variant": "xpress", "xpress_rank": rank,
                 "xpress_mlp_ratio": int(config.get("xpress_mlp_ratio", DEFAULT_MLP_RATIO)),
                 "num_jacobi_passes": int(config.get("num_jacobi_passes", DEFAULT_PASSES))}
 

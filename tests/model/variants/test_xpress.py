@@ -614,3 +614,24 @@ def test_sampling_on_the_tiny_target_follows_its_distribution(tiny_target, train
     assert dof >= 5  # a test of the distribution, not of one certain token
     limit = dof * (1 - 2 / (9 * dof) + 3.09 * math.sqrt(2 / (9 * dof))) ** 3
     assert chi2 < limit, (chi2, limit, dof)
+
+
+@pytest.mark.parametrize("key, value", [("xpress_rank", 0), ("xpress_rank", 1000), ("num_jacobi_passes", 0),
+                                        ("xpress_mlp_ratio", -1)])
+def test_bad_xpress_checkpoint_fields_are_one_line(tiny_target, tmp_path, key, value):
+    """A config.json (speculators' or ours) with a rank <= 0 or above the width, or no Jacobi pass: one
+    line naming the field, the folder left as it was."""
+    from dflash_train.checkpoint.folders import save_drafter
+
+    speculators_written_xpress(tmp_path / "spec", tiny_target)
+    save_drafter(tmp_path / "ours", random_xpress(tiny_target), tiny_target)
+    for folder, edit in [(tmp_path / "spec", lambda c: c.update({key: value})),
+                         (tmp_path / "ours", lambda c: c["drafter"].update({key: value}))]:
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        before = sorted(p.name for p in folder.iterdir())
+        with pytest.raises(UserError) as e:
+            load_drafter(folder)
+        assert "\n" not in str(e.value) and f"{key}" in str(e.value).replace(str(folder), ""), str(e.value)
+        assert sorted(p.name for p in folder.iterdir()) == before

@@ -264,11 +264,11 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         d = yaml.safe_load(recipe_text)["data"]
         datasets = [p for p in (d["train"], d["val"]) if HUB_ID.match(p) and not Path(p).exists()]
     dspark, dflash2 = is_dspark_dflash2(cfg)
-    name = VARIANTS[cfg.variant].display_name
+    name = VARIANTS[cfg.variant].display_name  # every variant but plain DFlash also tags its name
     card_data = ModelCardData(base_model=hub_verifier,
                               library_name="speculators" if fmt == SPECULATORS else "vllm",
                               tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
-                              + [cfg.variant] * (dspark or dflash2 or cfg.variant == "xpress"),
+                              + [cfg.variant] * (dspark or dflash2 or cfg.variant != "dflash"),
                               license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",

@@ -21,9 +21,10 @@ synchronised before and after every run (wall clock, so host work such as the tr
            and `costs.draft_batch`, the same pass for --draft-batches requests at once (dflash-eval's
            --concurrency prediction reads `draft_ms_by_batch`)
   tree     `build_tree` on the drafter's [B-1, V] logits, per budget; and the path-conditioned trees
-           a DSpark or DFlash2 drafter decodes with (`tree_build_ms_by_scores`: DSpark's
-           MarkovScorer per head type, DFlash2's SelectorScorer; random heads, rank 256) and their
-           chains' per-round walks (`chain_walk_ms_by_scores`: markov_chain, selector_chain)
+           a DSpark, DFlash2 or XPress drafter decodes with (`tree_build_ms_by_scores`: DSpark's
+           MarkovScorer per head type, DFlash2's SelectorScorer, XPress's XPressScorer; random heads,
+           rank 256) and their chains' per-round walks (`chain_walk_ms_by_scores`: markov_chain,
+           selector_chain, jacobi_chain)
   step     one round of `decode.decode` (draft + tree + verify + commit, exactly what decoding runs):
            per call, the stage times decode() itself records, over STEP_ROUNDS rounds after a prefill
            of --context tokens (prefill excluded), divided by the rounds; median over --repeats calls.
@@ -55,6 +56,8 @@ from dflash_train.model.drafter import ContextCache, DFlashDrafter, DrafterConfi
 from dflash_train.model.target import Target, taps_from_hidden_states
 from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer, selector_chain
 from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, markov_chain
+from dflash_train.model.variants.xpress import (DEFAULT_MLP_RATIO, DEFAULT_PASSES, RefinerHead, XPressScorer,
+                                                jacobi_chain)
 
 # Qwen3-8B's config.json, and the published drafter z-lab/Qwen3-8B-DFlash-b16 (see shared/reference/dflash.md).
 QWEN3_8B = dict(
@@ -158,7 +161,7 @@ def step_ms(target: Target, drafter: DFlashDrafter, prompt: torch.Tensor, method
 def scorer_costs(drafter, target, ctx, bonus: int, start: int, draft_logits: torch.Tensor, budgets: list[int],
                  repeats: int, device: torch.device) -> tuple[dict, dict]:
     """Per-round costs of the path-conditioned trees and chain walks, keyed as dflash-eval's
-    --verify-times reads them ("dspark-vanilla", "dspark-gated", "dspark-rnn", "dflash2"): the
+    --verify-times reads them ("dspark-vanilla", "dspark-gated", "dspark-rnn", "dflash2", "xpress"): the
     tree build by budget, and the chain's walk. Random heads of rank SCORER_RANK on this block's
     hidden states; the tree's per-node work runs on the host whatever the device."""
     hidden = draft_hidden(drafter, target, ctx, bonus, start)  # [B, H]
@@ -176,6 +179,14 @@ def scorer_costs(drafter, target, ctx, bonus: int, start: int, draft_logits: tor
     scorer = SelectorScorer(selector, hidden, bonus)
     trees["dflash2"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
     walks["dflash2"] = median_ms(lambda: selector_chain(selector, hidden[1:], draft_logits, bonus), repeats, device)
+    B = hidden.shape[0]
+    refiner = RefinerHead(V, H, B, SCORER_RANK, DEFAULT_MLP_RATIO).to(device=device, dtype=hidden.dtype).eval()
+    scorer = XPressScorer(refiner, hidden, bonus, bonus)
+    trees["xpress"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
+    # what jacobi_chain reads of a drafter; the walk is its passes (at most 6, fewer at a fixed point)
+    holder = SimpleNamespace(refiner_head=refiner, lm_head=None,
+                             config=SimpleNamespace(num_jacobi_passes=DEFAULT_PASSES))
+    walks["xpress"] = median_ms(lambda: jacobi_chain(holder, hidden, draft_logits, bonus, bonus), repeats, device)
     for key in trees:
         print(f"{key:>14}: tree " + ", ".join(f"{b}: {ms:.3f}" for b, ms in trees[key].items())
               + f"; chain walk {walks[key]:.3f} ms")

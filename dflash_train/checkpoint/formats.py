@@ -4,7 +4,8 @@ vLLM `method: dflash`). All three store the same tensors under the same names
 markov_head.* and confidence_head.* and travel as ours or Speculators `dspark` (served by
 vLLM as `method: dspark`); DFlash2 drafters add layers.N.{attention_conv, mlp_conv}.* and
 candidate_selector.* and travel as ours or Speculators `dflash2` (vLLM 0.33 reads it as
-`DFlash2DraftModel`, method dflash); the native DFlash format has no place for either.
+`DFlash2DraftModel`, method dflash); XPress drafters add refiner_head.* and travel as ours or
+Speculators `xpress` (no released vLLM serves it); the native DFlash format has no place for these.
 
 Layer ids: ours and native DFlash store z-lab `target_layer_ids` (tap k = decoder layer k =
 transformers hidden_states[k+1]); Speculators stores `aux_hidden_state_layer_ids` = those + 1.
@@ -56,8 +57,8 @@ def check_sizes(vocab: int, mask_id: int, taps: list[int], layers: int | None, t
 
 
 def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
-    """A draft vocabulary is 2..V tokens, and only plain DFlash drafts in one (DSpark's Markov bias and
-    DFlash2's selector are [V, r] tables over the full vocabulary)."""
+    """A draft vocabulary is 2..V tokens, and only plain DFlash and XPress draft in one (DSpark's Markov
+    bias and DFlash2's selector are [V, r] tables over the full vocabulary)."""
     if size is None:
         return
     if not 2 <= size < vocab:  # N = V is written as no draft vocabulary (null)
@@ -86,7 +87,7 @@ class DrafterFields(Strict):
     rope_parameters: dict = {"rope_type": "default", "rope_theta": 1e6}
     attention_bias: bool = False
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
-    variant: Literal["dflash", "dspark", "dflash2"] = "dflash"
+    variant: Literal["dflash", "dspark", "dflash2", "xpress"] = "dflash"
     markov_rank: Index = 0
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
     confidence_head: bool = False
@@ -95,6 +96,9 @@ class DrafterFields(Strict):
     conv_group_size: Index = 0
     selector_rank: Index = 0
     selector_top_k: Index = 0
+    xpress_rank: Index = 0
+    xpress_mlp_ratio: Index = 0
+    num_jacobi_passes: Index = 0
     draft_vocab_size: Annotated[int, Field(ge=2)] | None = None
 
     @model_validator(mode="after")
@@ -138,7 +142,7 @@ class ExtraFields(Open):  # the `dflash_train` block both exports carry
 
 
 class SpeculatorsFile(Open):
-    speculators_model_type: Literal["dflash", "dspark", "dflash2"]
+    speculators_model_type: Literal["dflash", "dspark", "dflash2", "xpress"]
     transformer_layer_config: LayerFields
     block_size: Annotated[int, Field(ge=2)]
     mask_token_id: Index
@@ -155,6 +159,9 @@ class SpeculatorsFile(Open):
     conv_group_size: Size | None = None
     selector_rank: Size | None = None
     selector_top_k: Size | None = None
+    xpress_rank: Size | None = None
+    xpress_mlp_ratio: Size | None = None
+    num_jacobi_passes: Size | None = None
 
     @model_validator(mode="after")
     def _fits(self):
@@ -195,12 +202,12 @@ SCHEMAS = {OURS: OursFile, SPECULATORS: SpeculatorsFile, NATIVE: NativeFile}
 def detect_format(config: dict) -> str:
     if config.get("format") == OURS:
         return OURS
-    if config.get("speculators_model_type") in ("dflash", "dspark", "dflash2"):
+    if config.get("speculators_model_type") in VARIANTS:
         return SPECULATORS
     if "DFlashDraftModel" in (config.get("architectures") or []) and "dflash_config" in config:
         return NATIVE
     raise UserError("config.json is not a DFlash drafter in any known format "
-                    "(dflash-train, speculators 'dflash', 'dspark' or 'dflash2', or native DFlashDraftModel)")
+                    f"(dflash-train, speculators {', '.join(map(repr, VARIANTS))}, or native DFlashDraftModel)")
 
 
 def _block_attention(causal) -> str:
@@ -270,20 +277,15 @@ def _speculators_draft_vocab(config: dict) -> int | None:
 
 def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures: list[str], pin: dict,
                        mask_token: str | None):
-    """The Speculators config, built with speculators' own classes (what vLLM reads):
-    DFlashSpeculatorConfig, or DSparkSpeculatorConfig / DFlash2SpeculatorConfig for those variants."""
+    """The Speculators config, built with speculators' own classes (what vLLM reads): the variant's
+    (Variant.speculators_config_class: DFlash, DSpark, DFlash2 or XPress SpeculatorConfig)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash import DFlashSpeculatorConfig
-    from speculators.models.dflash2 import DFlash2SpeculatorConfig
-    from speculators.models.dspark import DSparkSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
 
     causal = cfg.block_attention == "causal"
     layer_config = cfg.qwen3_config()
     layer_config.is_causal = causal  # vLLM reads it before anything else (see the module docstring)
-    # DFlash2SpeculatorConfig's architectures are ["DFlash2DraftModel"]
-    config_class = {"dflash": DFlashSpeculatorConfig, "dspark": DSparkSpeculatorConfig,
-                    "dflash2": DFlash2SpeculatorConfig}[cfg.variant]
+    config_class = VARIANTS[cfg.variant].speculators_config_class()
     return config_class(
         **VARIANTS[cfg.variant].speculators_fields(cfg),
         transformer_layer_config=layer_config,

@@ -113,7 +113,7 @@ def parse_args(argv):
     p.add_argument("--budgets", default="4,16,64,256",
                    help="DDTree budgets (non-root nodes); 0 = plain decoding")
     p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
-                   help="a DSpark or DFlash2 drafter's DDTree: path-conditioned (default; DFlash2: by its "
+                   help="a DSpark, DFlash2 or XPress drafter's DDTree: path-conditioned (default; DFlash2: by its "
                         "selector) or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
@@ -248,7 +248,9 @@ def run(args, argv) -> None:
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
                    "markov_head_type": drafter.config.markov_head_type,
                    "selector_rank": drafter.config.selector_rank,
-                   "selector_top_k": drafter.config.selector_top_k, "tree_scores": args.tree_scores,
+                   "selector_top_k": drafter.config.selector_top_k,
+                   **{k: getattr(drafter.config, k) for k in drafter.variant.recipe_fields},  # XPress's
+                   "tree_scores": args.tree_scores,
                    "trained_for": trained_for(resolve_folder(args.drafter))})
     write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())

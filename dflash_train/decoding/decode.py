@@ -48,6 +48,8 @@ class DecodeResult:
     confidence: list[list[float]] | None = None
     # ddtree.calibration_counts summed over rounds (DDTree only): {(depth, rank): [stated sum, hits, nodes]}
     calibration: dict = field(default_factory=dict)
+    # per round, the Jacobi passes an XPress chain ran (None for other drafters and methods)
+    jacobi_passes: list[int] | None = None
 
     @property
     def tau(self) -> float:
@@ -151,7 +153,9 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
     clock = _Clock(result.stage_s, target.embed.weight.device)
 
     while len(result.tokens) < max_new_tokens and bonus not in stop_ids:
-        tree = proposer.propose(bonus, start, clock)
+        # the token before the bonus token (XPress's refiner reads it): the bonus is result.tokens[-1]
+        before = result.tokens[-2] if len(result.tokens) > 1 else int(prompt_ids[0, -1])
+        tree = proposer.propose(bonus, start, clock, before)
         clock.lap("tree")
         logits, hidden_states = verify(target, cache, tree, bonus, start, proposer.uses_drafter)
         posterior = choose(logits, temperature, generator).tolist()  # the target's pick after each node

@@ -4,7 +4,7 @@ method only this (`Proposer`); what a drafter drafts is its variant's (model/var
 
     proposer = PROPOSERS[method](target, drafter, budget, tree_scores)
     proposer.begin(result, hidden_states)              # after prefill: the prompt's taps
-    tree = proposer.propose(bonus, start, clock)       # laps "draft"; the loop laps "tree"
+    tree = proposer.propose(bonus, start, clock, before)   # laps "draft"; the loop laps "tree"
     proposer.observe(result, tree, accepted, posterior)   # spine, calibration, confidence
     proposer.extend(hidden_states, accepted, start)    # the accepted tokens' taps
 """
@@ -25,8 +25,9 @@ class Proposer(Protocol):
     def begin(self, result, hidden_states) -> None:
         """The target has read the prompt (hidden_states: its output_hidden_states, or None)."""
 
-    def propose(self, bonus: int, start: int, clock) -> DraftTree:
-        """The tree after the bonus token at position `start`; laps the clock's "draft" if it drafts."""
+    def propose(self, bonus: int, start: int, clock, before: int) -> DraftTree:
+        """The tree after the bonus token at position `start` (`before`: the token before it); laps the
+        clock's "draft" if it drafts."""
 
     def observe(self, result, tree: DraftTree, accepted: list[int], posterior: list[int]) -> None:
         """Diagnostics of one verified round into the DecodeResult."""
@@ -61,7 +62,7 @@ class RootOnlyProposer:
     def begin(self, result, hidden_states) -> None:
         pass
 
-    def propose(self, bonus: int, start: int, clock) -> DraftTree:
+    def propose(self, bonus: int, start: int, clock, before: int) -> DraftTree:
         return root_only_tree()
 
     def observe(self, result, tree, accepted, posterior) -> None:
@@ -112,22 +113,25 @@ class BlockProposer:
 class ChainProposer(BlockProposer):
     """DFlash: the variant's greedy chain of the block, verified as one path. A chain that states each
     slot's acceptance (DSpark's confidence head) is tabulated in result.confidence: per drafted slot
-    [predicted sum, rounds that reached the slot, rounds that accepted it]."""
+    [predicted sum, rounds that reached the slot, rounds that accepted it]; an iterative chain's passes
+    (XPress's Jacobi passes) per round in result.jacobi_passes."""
 
     def begin(self, result, hidden_states) -> None:
         super().begin(result, hidden_states)
         if self.variant.states_confidence(self.drafter):
             result.confidence = [[0.0] * (self.drafter.config.block_size - 1) for _ in range(3)]
 
-    def propose(self, bonus: int, start: int, clock) -> DraftTree:
+    def propose(self, bonus: int, start: int, clock, before: int) -> DraftTree:
         hidden, base_logits = self.draft(bonus, start)
-        self.round = self.variant.chain(self.drafter, hidden, base_logits, bonus)  # kept for observe
+        self.round = self.variant.chain(self.drafter, hidden, base_logits, bonus, before)  # kept for observe
         clock.lap("draft")
         tokens = self.round.tokens if self.kept is None else self.kept[self.round.tokens]
         return chain_tree(tokens)
 
     def observe(self, result, tree, accepted, posterior) -> None:
         super().observe(result, tree, accepted, posterior)
+        if self.round.passes is not None:
+            result.jacobi_passes = (result.jacobi_passes or []) + [self.round.passes]
         if self.round.confidence is None:
             return
         a = len(accepted) - 1  # slots 1..a accepted, slot a+1 rejected, later ones never reached
@@ -146,11 +150,12 @@ class TreeProposer(BlockProposer):
         super().__init__(target, drafter)
         self.budget, self.conditional = budget, conditional
 
-    def propose(self, bonus: int, start: int, clock) -> DraftTree:
+    def propose(self, bonus: int, start: int, clock, before: int) -> DraftTree:
         hidden, base_logits = self.draft(bonus, start)
         clock.lap("draft")
-        scorer = self.variant.scorer(self.drafter, hidden, bonus) if self.conditional else None
-        return build_tree(base_logits, self.budget, scorer, token_ids=self.kept)
+        scorer = self.variant.scorer(self.drafter, hidden, bonus, before) if self.conditional else None
+        # a scorer names its nodes' target ids itself (XPress's over a draft vocabulary)
+        return build_tree(base_logits, self.budget, scorer, token_ids=None if scorer else self.kept)
 
     def observe(self, result, tree, accepted, posterior) -> None:
         super().observe(result, tree, accepted, posterior)

@@ -87,7 +87,7 @@ def loop_summary(samples: list[Sample]) -> dict:
 def spine_summary(samples: list[Sample]) -> dict:
     """Off-spine accuracy beside on-spine (ddtree.spine_counts, summed over the samples), and for a
     DSpark chain the confidence head's predicted vs measured acceptance per slot (over the rounds
-    that reached the slot)."""
+    that reached the slot); for an XPress chain the Jacobi passes per round."""
     on_hit, on_n, off_hit, off_n = (sum(c) for c in zip(*(x.spine for x in samples)))
     out = {"on_spine_acc": round(on_hit / on_n, 4) if on_n else None, "on_spine_nodes": on_n,
            "off_spine_acc": round(off_hit / off_n, 4) if off_n else None, "off_spine_nodes": off_n}
@@ -101,6 +101,10 @@ def spine_summary(samples: list[Sample]) -> dict:
     cal = calibration_summary(samples)
     if cal:
         out["calibration"] = cal
+    passes = [p for x in samples for p in x.jacobi_passes]
+    if passes:  # an XPress chain: the Jacobi passes it ran per round (it stops at a fixed point)
+        out["jacobi_passes"] = {"mean": round(float(np.mean(passes)), 3), "max": max(passes),
+                                "rounds": len(passes)}
     return out
 
 

@@ -32,6 +32,7 @@ class Sample:
     spine: list[int] = field(default_factory=lambda: [0, 0, 0, 0])  # decode.DecodeResult.spine, summed
     confidence: list[list[float]] | None = None  # decode.DecodeResult.confidence, summed (DSpark chain)
     calibration: dict = field(default_factory=dict)  # decode.DecodeResult.calibration, summed (DDTree)
+    jacobi_passes: list[int] = field(default_factory=list)  # decode.DecodeResult.jacobi_passes (XPress chain)
 
     @property
     def decode_s(self) -> float:
@@ -82,6 +83,7 @@ def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, 
                 [a + b for a, b in zip(x, y)] for x, y in zip(sample.confidence, r.confidence)]
         messages.append({"role": "assistant", "content": tok.decode(r.tokens, skip_special_tokens=True)})
         sample.accept_lengths += r.accept_lengths
+        sample.jacobi_passes += r.jacobi_passes or []
         sample.outputs.append(r.tokens)
         n = len(r.tokens) - 1
         sample.decoded += n

@@ -13,6 +13,7 @@ from dflash_train.checkpoint.formats import NATIVE, SPECULATORS
 from dflash_train.core.paths import is_hub_id, resolve_input
 from dflash_train.evaluation.report import dtype_label, plural
 from dflash_train.evaluation.speed import verdict_text
+from dflash_train.model.variants import VARIANTS
 from dflash_train.model.variants.dspark import TREE_CANDIDATES
 
 TEMPLATE = Path(__file__).with_name("model_card_template.md")  # package data (pyproject.toml)
@@ -188,7 +189,8 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
         + (f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
            if m.get("variant") == "dspark" and m.get("confidence_head") else "")
         + (f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
-           if m.get("variant") == "dflash2" else "."),
+           if m.get("variant") == "dflash2" else
+           VARIANTS[m.get("variant", "dflash")].card_training(m, loss) or "."),
         f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
         *(["", chosen] if chosen else []),
         "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml",
@@ -202,6 +204,9 @@ def is_dspark_dflash2(cfg) -> tuple[bool, bool]:
 
 def algorithm_text(cfg) -> str:
     """The card's one-line account of the variant's drafting."""
+    own = VARIANTS[cfg.variant].card_algorithm(cfg)
+    if own is not None:
+        return own
     dspark, dflash2 = is_dspark_dflash2(cfg)
     text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
     if dspark:
@@ -217,6 +222,9 @@ def algorithm_text(cfg) -> str:
 
 def vllm_text(fmt: str, cfg, pin: dict, serve_ref: str) -> str:
     """The vLLM command(s) that serve the export."""
+    own = VARIANTS[cfg.variant].card_vllm(fmt, cfg, pin, serve_ref)
+    if own is not None:
+        return own
     dspark, dflash2 = is_dspark_dflash2(cfg)
     if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
         spec = json.dumps({"method": "dspark", "model": serve_ref,
@@ -256,7 +264,7 @@ def limitations_text(cfg, pin: dict) -> str:
         extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from "
                   "dflash-train's decoder, whose tree ranks each node's children by the selector given that "
                   "node's token.")
-    return extra
+    return extra + VARIANTS[cfg.variant].card_limitations(cfg)
 
 
 def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params: int, recipe_text: str | None,
@@ -269,11 +277,11 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
         d = yaml.safe_load(recipe_text)["data"]
         datasets = [p for p in (d["train"], d["val"]) if on_hub(p)]
     dspark, dflash2 = is_dspark_dflash2(cfg)
-    name = {"dflash": "DFlash", "dspark": "DSpark", "dflash2": "DFlash2"}[cfg.variant]
+    name = VARIANTS[cfg.variant].display_name  # every variant but plain DFlash also tags its name
     card_data = ModelCardData(base_model=hub_verifier,
                               library_name="speculators" if fmt == SPECULATORS else "vllm",
                               tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
-                              + [cfg.variant] * (dspark or dflash2),
+                              + [cfg.variant] * (dspark or dflash2 or cfg.variant != "dflash"),
                               license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",

@@ -86,6 +86,11 @@ class DrafterConfig:
     conv_group_size: int = 0
     selector_rank: int = 0
     selector_top_k: int = 0
+    # XPress (0 for other variants): the refiner's rank and SwiGLU ratio, and the Jacobi passes of its
+    # chain at most (xpress.py; speculators' names)
+    xpress_rank: int = 0
+    xpress_mlp_ratio: int = 0
+    num_jacobi_passes: int = 0
     # A draft vocabulary (model/vocab.py): the drafter predicts over N < vocab_size of the target's
     # tokens through its own frozen `lm_head` [N, H] (the target's rows) and maps draft index i to
     # target id i + d2t[i]. None: the full vocabulary through the target's own head.
@@ -248,7 +253,7 @@ class DFlashDrafter(nn.Module):
         self.apply(self._init_weights)
         # DSpark's heads, applied by the caller after the backbone, and DFlash2's candidate selector, after
         # the LM head: None unless the variant adds them (model/variants/)
-        self.markov_head = self.confidence_head = self.candidate_selector = None
+        self.markov_head = self.confidence_head = self.candidate_selector = self.refiner_head = None
         self.variant.add_modules(self, config)
         self.lm_head = None  # the draft vocabulary's frozen head (set_draft_vocab fills it and d2t / t2d)
         if config.draft_vocab_size is not None:

@@ -149,7 +149,8 @@ def block_pieces(draft_logits: torch.Tensor, target_logits: torch.Tensor | None,
                  valid: torch.Tensor, cfg, labels: torch.Tensor | None = None):
     """Whole blocks: draft/target logits [n, K, V], tokens (the data's) [n, K], valid [n, K] ->
     (numerator: sum w * sum_t c_t term_t, term sums [T] = sum w * term_t in cfg.terms order,
-    labels [n, K], correct [n, K] bool (argmax == label, valid), alpha [n, K] (0 where invalid)).
+    labels [n, K], correct [n, K] bool (argmax == label, valid), alpha [n, K] (0 where invalid),
+    pred [n, K] the draft argmax (XPress feeds it to its next consistency round)).
     Only the numerator carries a graph. Sums over chunks of blocks give the whole batch's.
     `labels` [n, K] given (a draft vocabulary's: indices into it, -1 outside it) replace the
     target's argmax / the data's tokens; -1 slots are left out of the loss (not of the divisor)."""
@@ -158,7 +159,8 @@ def block_pieces(draft_logits: torch.Tensor, target_logits: torch.Tensor | None,
             raise ValueError("no target logits and no labels: give labels= or target_hidden")
         labels = target_logits.argmax(-1) if cfg.ce_labels == "target" else tokens
     known = labels >= 0  # a label outside the draft vocabulary (-1) is not supervised, and never hit
-    correct = (draft_logits.argmax(-1) == labels) & valid
+    pred = draft_logits.argmax(-1)
+    correct = (pred == labels) & valid
     values, alpha = slot_terms(draft_logits, target_logits, labels.clamp(min=0), _objective_names(cfg),
                                cfg.lk_eta)
     ce = values["ce"].detach() if "ce" in values else None
@@ -171,7 +173,7 @@ def block_pieces(draft_logits: torch.Tensor, target_logits: torch.Tensor | None,
     w = w * known
     sums = torch.stack([(w * values[name]).sum() for name in cfg.terms])  # [T]
     coefs = torch.tensor(list(cfg.terms.values()), dtype=sums.dtype, device=sums.device)
-    return (sums * coefs).sum(), sums.detach(), labels, correct, alpha.detach() * valid
+    return (sums * coefs).sum(), sums.detach(), labels, correct, alpha.detach() * valid, pred
 
 
 def _draft_logits(head, h: torch.Tensor, bias: tuple | None) -> torch.Tensor:
@@ -213,8 +215,8 @@ def _chunked_pieces(h, th, tokens, valid, head, cfg, chunk: int, grad: torch.Ten
             num = num.detach()
         numerator, sums = numerator + num, sums + s
         per_slot.append(slots)
-    labels, correct, alpha = (torch.cat(x) for x in zip(*per_slot))
-    return numerator, sums, labels, correct, alpha
+    labels, correct, alpha, pred = (torch.cat(x) for x in zip(*per_slot))
+    return numerator, sums, labels, correct, alpha, pred
 
 
 class ChunkedBlockLoss(torch.autograd.Function):
@@ -230,11 +232,11 @@ class ChunkedBlockLoss(torch.autograd.Function):
         grad = torch.empty_like(h)
         bias = None if u is None else (u, w2)
         bias_grads = None if u is None else (torch.empty_like(u), torch.zeros_like(w2))
-        numerator, sums, labels, correct, alpha = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk,
-                                                                  grad, bias, bias_grads, given)
+        numerator, sums, labels, correct, alpha, pred = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk,
+                                                                        grad, bias, bias_grads, given)
         ctx.save_for_backward(grad, *(bias_grads or ()))
-        ctx.mark_non_differentiable(sums, labels, correct, alpha)
-        return numerator, sums, labels, correct, alpha
+        ctx.mark_non_differentiable(sums, labels, correct, alpha, pred)
+        return numerator, sums, labels, correct, alpha, pred
 
     @staticmethod
     def backward(ctx, g, *_):
@@ -256,7 +258,7 @@ def dflash_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor | None, 
     labels [b, A, K]: given labels in the head's index space (-1: outside it, see block_pieces),
     and then target_hidden may be None (ce only, alpha reported as 0). Returns loss = numerator /
     normalizer (default: this batch's loss_divisor) and detached metrics: terms [T] (each term's
-    share, same divisor, cfg.terms order), labels, correct, valid, alpha [b, A, K]."""
+    share, same divisor, cfg.terms order), labels, correct, valid, alpha, pred (the argmax) [b, A, K]."""
     b, A, K, H = draft_hidden.shape
     h = draft_hidden.reshape(b * A, K, H)
     th = None if target_hidden is None else target_hidden.reshape(b * A, K, H)
@@ -266,22 +268,23 @@ def dflash_loss(draft_hidden: torch.Tensor, target_hidden: torch.Tensor | None, 
     if cfg.chunk_slots == 0:
         with torch.no_grad():
             t_logits = None if th is None else head(th)
-        numerator, sums, labels, correct, alpha = block_pieces(
+        numerator, sums, labels, correct, alpha, pred = block_pieces(
             _draft_logits(head, h, None if u is None else (u, w2)), t_logits, tok, ok, cfg, given)
     else:
         if any(p.requires_grad for p in head.parameters()):
             raise ValueError("the chunked loss takes a frozen LM head (set loss.chunk_slots=0 to train one)")
         chunk = max(1, cfg.chunk_slots // K)  # whole blocks: D-PACE and AUF act along a block
         if torch.is_grad_enabled() and h.requires_grad:
-            numerator, sums, labels, correct, alpha = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg, chunk,
-                                                                             u, w2, given)
+            numerator, sums, labels, correct, alpha, pred = ChunkedBlockLoss.apply(h, th, tok, ok, head, cfg,
+                                                                                   chunk, u, w2, given)
         else:
-            numerator, sums, labels, correct, alpha = _chunked_pieces(
+            numerator, sums, labels, correct, alpha, pred = _chunked_pieces(
                 h, th, tok, ok, head, cfg, chunk, None, None if u is None else (u, w2), None, given)
     divisor = loss_divisor(valid, cfg, numerator.dtype).clamp(min=1e-8) if normalizer is None else normalizer
     shape = (b, A, K)
     return numerator / divisor, {"terms": sums / divisor, "labels": labels.view(shape),
-                                 "correct": correct.view(shape), "valid": valid, "alpha": alpha.view(shape)}
+                                 "correct": correct.view(shape), "valid": valid, "alpha": alpha.view(shape),
+                                 "pred": pred.view(shape)}
 
 
 # --- acceptance metrics --------------------------------------------------------------------------

@@ -27,12 +27,15 @@ class BlockOutputs:
     target_hidden: torch.Tensor  # [b, A, K, H], the target's final-normed state predicting the same tokens
     tokens: torch.Tensor  # [b, A, K], the data's token at each slot
     valid: torch.Tensor  # [b, A, K] bool
-    # DSpark (None for DFlash): teacher-forced Markov vectors of slots 1..K, logits += u . W2
+    # DSpark (None for DFlash): teacher-forced Markov vectors of slots 1..K, logits += u . W2 (XPress: the
+    # refiner's latents, W2 its readout; Variant.bias_weight)
     markov_u: torch.Tensor | None = None  # [b, A, K, r]
     confidence_logits: torch.Tensor | None = None  # [b, A, K]
     # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
     block_hidden: torch.Tensor | None = None
     bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
+    before: torch.Tensor | None = None  # [b, A] the token before each anchor (the anchor itself at position 0)
+    variant_state: dict | None = None  # what a variant's extra loss reuses of its teacher-forced pass (XPress)
     # the target's greedy token at each slot, from a cache that stores it (None: not read; see target_labels)
     cached_labels: torch.Tensor | None = None  # [b, A, K] long
 
@@ -94,18 +97,21 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
     model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
     # [b, A, B] the true tokens at slots 0..B-1
     block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)
-    # DSpark: markov_u, confidence_logits
-    heads = model.variant.teacher_forced(model, block_hidden, block_tokens)
+    # the token before each anchor (XPress's slot 0 reads it; rows are single right-padded sequences)
+    before = torch.where(anchors > 0, ids.gather(1, (anchors - 1).clamp(min=0)), block_ids[:, :, 0])
+    # DSpark: markov_u, confidence_logits; XPress: markov_u, variant_state
+    heads = model.variant.teacher_forced(model, block_hidden, block_tokens, before)
     return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0],
-                        cached_labels=labels, **heads)
+                        before=before, cached_labels=labels, **heads)
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                       budgets: list[int], max_blocks: int, conditional=None,
-                      hidden: torch.Tensor | None = None, bonus: torch.Tensor | None = None) -> torch.Tensor:
+                      hidden: torch.Tensor | None = None, bonus: torch.Tensor | None = None,
+                      before: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
     distributions, walked along the target's tokens (labels) while they are in the tree.
-    With `conditional` (block hidden [B, H], bonus) -> scorer (dspark.MarkovScorer over DSpark's
+    With `conditional` (block hidden [B, H], bonus, before: the token before it) -> scorer (dspark.MarkovScorer over DSpark's
     head, dflash2.SelectorScorer over DFlash2's selector), draft_logits are the backbone's and the
     tree is path-conditioned, on hidden [.., B, H] and the bonus tokens [..].
     Returns summable counts [len(budgets) + 1 + 4]: accepted tokens per budget, blocks, then
@@ -117,6 +123,7 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
     if conditional is not None:
         hidden = hidden.reshape(-1, *hidden.shape[-2:])[: max_blocks]  # [N, B, H]
         bonus = bonus.reshape(-1)[: max_blocks].tolist()
+        before = None if before is None else before.reshape(-1)[: max_blocks].tolist()
     # Nodes are numbered in best-first pop order, so the tree of budget b is exactly the nodes
     # 1..b of the largest tree: build that once and count, per budget, the path nodes <= b.
     counts = torch.zeros(len(budgets) + 1 + 4, dtype=torch.float64)
@@ -124,7 +131,8 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
         if not ok[0] or not budgets:
             continue
         counts[len(budgets)] += 1
-        scorer = None if conditional is None else conditional(hidden[i], bonus[i])
+        scorer = None if conditional is None else conditional(hidden[i], bonus[i],
+                                                              None if before is None else before[i])
         tree, cur, path = build_tree(logits[i], max(budgets), scorer), 0, []
         for tok, v in zip(lab, ok):
             if not v or tok not in tree.children[cur]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dflash_train.core.errors import UserError
 from dflash_train.core.paths import display_path, resolve_input
 from dflash_train.core.seeds import SEED_LIMIT
+from dflash_train.model.variants import VARIANTS
 
 DEFAULT_RECIPE = "recipes/tiny.yaml"  # like every relative input: from the current folder, else the checkout
 # Keys that were replaced: an old recipe stops with one line naming the new key.
@@ -62,9 +63,10 @@ class ModelConfig(Section):
     # variant: dflash; dspark = the DFlash backbone + DSpark's Markov logit-bias head (slot k
     # conditioned on the token at slot k-1) and confidence head (dflash_train/model/variants/dspark.py);
     # dflash2 = DFlash + local convolutions around each sublayer and a candidate selector that re-ranks
-    # each slot's unary top-K given the token before it (dflash_train/model/variants/dflash2.py). Each
-    # variant reads only its keys.
-    variant: Literal["dflash", "dspark", "dflash2"] = "dflash"
+    # each slot's unary top-K given the token before it (dflash_train/model/variants/dflash2.py); xpress =
+    # DFlash + a causal refiner that biases each slot's logits given the tokens before it, drafted by
+    # Jacobi passes (dflash_train/model/variants/xpress.py). Each variant reads only its keys.
+    variant: Literal["dflash", "dspark", "dflash2", "xpress"] = "dflash"
     markov_rank: int = Field(256, ge=0)  # r of the bias W2(W1[x]); 0 = no Markov head (the backbone's logits)
     markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # vLLM 0.33 serves vanilla only
     # Train W1 as table + (target embedding) x P, folded into the table each step, so tokens rarely seen
@@ -76,10 +78,14 @@ class ModelConfig(Section):
     conv_group_size: int = Field(16, ge=1)  # dflash2: hidden channels sharing one dynamic kernel
     selector_rank: int = Field(256, ge=1)  # dflash2: rank r of the selector's codebooks
     selector_top_k: int = Field(16, ge=1)  # dflash2: unary candidates per slot the selector re-ranks
+    xpress_rank: int = Field(256, ge=1)  # xpress: the refiner's rank r (at most the target's hidden size)
+    xpress_mlp_ratio: int = Field(2, ge=1)  # xpress: the refiner's SwiGLU is r -> ratio * r -> r
+    num_jacobi_passes: int = Field(6, ge=1)  # xpress: the chain's Jacobi passes at most (K; stops at a fixed point)
     # Draft vocabulary (dflash_train/model/vocab.py): the drafter predicts over the N tokens most often
     # supervised in data.train (the stop tokens always among them) through the target's rows of them,
     # frozen; exported as speculators' lm_head / d2t / t2d. null = the target's whole vocabulary.
-    # variant dflash only (DSpark's and DFlash2's [V, r] tables span the full vocabulary).
+    # variants dflash and xpress (its readout over it); DSpark's and DFlash2's [V, r] tables span the full
+    # vocabulary.
     draft_vocab_size: int | None = Field(None, ge=2)
 
 
@@ -116,6 +122,13 @@ class LossConfig(Section):
     confidence_weight: float = Field(1.0, ge=0)
     # dflash2: weight of the selector's K-way candidate CE (slot-weighted like the terms)
     selector_weight: float = Field(1.0, ge=0)
+    # xpress (speculators' defaults): the consistency rounds (each fed the previous round's argmax, the
+    # first the backbone's; their losses averaged) and their weight, and the weight of the backbone's own
+    # loss (the "base anchor"); each the same terms, slot weights and divisor as the teacher-forced pass.
+    # speculators' XPress recipe also sets terms {ce: 0.1, tv: 0.9}.
+    consistency_weight: float = Field(0.3, ge=0, allow_inf_nan=False)
+    consistency_passes: int = Field(3, ge=0)
+    base_anchor_weight: float = Field(0.6, ge=0, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _some_loss(self):
@@ -203,6 +216,7 @@ class RunConfig(Section):
             raise ValueError("model.markov_w1_embed trains DSpark's Markov W1 (model.variant=dspark with "
                              f"markov_rank > 0); model.variant={m.variant} with markov_rank {m.markov_rank} "
                              "has none")
+        VARIANTS[m.variant].check_recipe(self)
         if self.tree_distill.weight > 0 and not (m.variant == "dflash2"
                                                  or (m.variant == "dspark" and m.markov_rank > 0)):
             raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank "
@@ -210,10 +224,10 @@ class RunConfig(Section):
         if m.init_layers_from_target and m.init_from is not None:
             raise ValueError("model.init_layers_from_target and model.init_from both give the drafter's "
                              "layers: choose one")
-        if m.draft_vocab_size is not None and m.variant != "dflash":
-            raise ValueError(f"model.draft_vocab_size is for variant dflash: model.variant={m.variant} "
-                             "drafts over the full vocabulary (its Markov / selector tables span it); leave "
-                             "draft_vocab_size null")
+        if m.draft_vocab_size is not None and not VARIANTS[m.variant].draft_vocab:
+            raise ValueError(f"model.draft_vocab_size is for variants dflash and xpress: model.variant="
+                             f"{m.variant} drafts over the full vocabulary (its Markov / selector tables span "
+                             "it); leave draft_vocab_size null")
         if self.tree_distill.weight > 0 and self.tree_distill.every > self.max_steps:
             raise ValueError(f"tree_distill.every={self.tree_distill.every} is past "
                              f"max_steps={self.max_steps}: no step would ever distil (lower every, or set "

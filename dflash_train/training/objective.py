@@ -5,6 +5,7 @@ import torch
 
 from dflash_train.model.loss import dflash_loss, exp_weights
 from dflash_train.model.variants.dflash2 import selector_loss
+from dflash_train.model.variants import VARIANTS
 from dflash_train.model.variants.dspark import confidence_loss
 from dflash_train.training.blocks import BlockOutputs, target_labels
 from dflash_train.training.config import RunConfig
@@ -17,12 +18,18 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
     per-slot acceptance rate alpha, with DFlash's exp slot weights (as speculators weighs it) and
     the same normaliser; for DFlash2, loss.selector_weight x the selector's candidate CE (the
     terms' slot weights, the same normaliser), reported as the term "selector", and the chain's
-    hits are then the selector walk's (teacher-forced, dflash2.selector_loss)."""
-    bias = None if o.markov_u is None else (o.markov_u, model.markov_head.markov_w2.weight)
+    hits are then the selector walk's (teacher-forced, dflash2.selector_loss); for XPress, the consistency
+    rounds and the base anchor (xpress.XPress.extra_loss)."""
+    bias = None if o.markov_u is None else (o.markov_u, model.variant.bias_weight(model))
     if model.lm_head is not None:  # a draft vocabulary: its own (cheap) step
-        return draft_vocab_loss(o, target, model, cfg, normalizer, with_alpha)
-    loss, m = dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
-                          normalizer=normalizer, markov_bias=bias)
+        block_loss = draft_vocab_loss(o, target, model, cfg, normalizer, with_alpha)
+        loss, m = block_loss(bias)
+        return model.variant.extra_loss(o, model, cfg, block_loss, loss, m)
+    def block_loss(extra_bias=None, grad=True):  # the block's loss again, another low-rank bias (XPress)
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            return dflash_loss(o.draft_hidden, o.target_hidden, target.lm_head, o.tokens, o.valid, cfg.loss,
+                               normalizer=normalizer, markov_bias=extra_bias)
+    loss, m = block_loss(bias)
     if o.confidence_logits is not None and cfg.loss.confidence_weight:
         w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
         loss = loss + cfg.loss.confidence_weight * confidence_loss(o.confidence_logits, m["alpha"], w,
@@ -35,24 +42,31 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
         m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
         m["correct"] = correct
         loss = loss + cfg.loss.selector_weight * sel
-    return loss, m
+    return model.variant.extra_loss(o, model, cfg, block_loss, loss, m)
 
 
-def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
-                     with_alpha: bool) -> tuple[torch.Tensor, dict]:
+def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer, with_alpha: bool):
     """The loss of a drafter with a draft vocabulary, in draft space: labels (the target's greedy
     tokens from the cache, or the data's) mapped into it, -1 outside it (left out of the loss, a
     miss for acceptance). The target's logits over the draft vocabulary (speculators' renormalised
-    p) are computed only when a term or alpha needs them: a ce step touches only the N-wide head."""
+    p) are computed only when a term or alpha needs them: a ce step touches only the N-wide head.
+    -> block_loss(bias=None, grad=True) -> (loss, m), m["pred"] in draft indices (XPress's refiner
+    bias over the draft vocabulary rides in as the bias)."""
     given = target_labels(o, target) if cfg.loss.ce_labels == "target" else o.tokens
     need_p = with_alpha or bool(set(cfg.loss.terms) - {"ce"})
-    loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head, o.tokens,
-                          o.valid, cfg.loss, normalizer=normalizer, labels=model.to_draft_ids(given))
-    m["labels"] = given  # target ids: validation's trees are walked in the target's vocabulary
-    return loss, m
+    labels = model.to_draft_ids(given)
+
+    def block_loss(bias=None, grad=True):
+        with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+            loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head, o.tokens,
+                                  o.valid, cfg.loss, normalizer=normalizer, markov_bias=bias, labels=labels)
+        m["labels"] = given  # target ids: validation's trees are walked in the target's vocabulary
+        return loss, m
+    return block_loss
 
 
 def term_names(cfg: RunConfig) -> list[str]:
-    """The reported loss terms: the recipe's, then DFlash2's selector CE (a training step's record
-    adds tree distillation's KL as "tree")."""
-    return [*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+    """The reported loss terms: the recipe's, then DFlash2's selector CE or a variant's extra terms
+    (XPress: consistency, base_anchor; a training step's record adds tree distillation's KL as "tree")."""
+    return ([*cfg.loss.terms] + ["selector"] * (cfg.model.variant == "dflash2")
+            + VARIANTS[cfg.model.variant].extra_terms(cfg))

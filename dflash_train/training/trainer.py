@@ -52,6 +52,7 @@ from dflash_train.data.dataset import check_data_path, collate, load_conversatio
 from dflash_train.data.hs_cache import check_complete, open_cache
 from dflash_train.model.loss import acceptance_counts, acceptance_metrics, loss_divisor
 from dflash_train.model.target import check_positions, load_target, max_positions, native_bf16
+from dflash_train.model.variants import VARIANTS
 from dflash_train.training.blocks import BlockOutputs, anchored_blocks, block_slots, draw_anchors
 from dflash_train.training.build import attach_draft_vocab, init_drafter
 from dflash_train.training.config import RunConfig, dump_recipe
@@ -112,7 +113,7 @@ def check_heads_engine(variant: str, engine: str, accelerator) -> None:
     successor codebook inside the loss), outside any sharded unit's forward: FSDP must keep
     parameters unsharded from forward to backward (recipes/accelerate/fsdp_dspark.yaml, for both)
     and ZeRO-3, which gathers them per module forward, cannot serve them."""
-    if variant not in ("dspark", "dflash2"):
+    if not VARIANTS[variant].heads_outside_forward:  # DSpark, DFlash2, XPress
         return
     if engine == "fsdp" and os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true":
         raise UserError(f"model.variant={variant} under FSDP needs fsdp_reshard_after_forward: false "

@@ -1,8 +1,6 @@
 """Validation: the held-out loss and its terms, per-slot accuracy and acceptance, chain EAL and
 teacher-forced DDTree tau at the recipe's budgets, with fixed anchors, summed over processes."""
 
-from functools import partial
-
 import torch
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
@@ -70,7 +68,7 @@ def tree_counts(model, target, o: BlockOutputs, block_labels, conditional, cfg: 
     budgets, K = cfg.eval.ddtree_budgets, cfg.model.block_size - 1
     flat = [x.flatten(0, 1)[:blocks_left] for x in (o.draft_hidden, block_labels, o.valid)]
     if conditional is not None:
-        flat += [x.flatten(0, 1)[:blocks_left] for x in (o.block_hidden, o.bonus)]
+        flat += [x.flatten(0, 1)[:blocks_left] for x in (o.block_hidden, o.bonus, o.before)]
     blocks_left -= len(flat[0])
     n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
     tree = torch.zeros(count_sizes(cfg)[2], dtype=torch.float64)
@@ -115,9 +113,12 @@ def validation_result(totals: torch.Tensor, cfg: RunConfig, confidence: bool) ->
 
 
 def cpu_tree_scorer(model):
-    """For validation's path-conditioned trees: (block hidden [B, H], bonus) -> the block's scorer,
-    over a CPU float32 copy of DSpark's Markov head or DFlash2's selector (gathered from its shards
-    under FSDP, so every process calls this); None for DFlash."""
+    """For validation's path-conditioned trees: (block hidden [B, H], bonus, before=None) -> the block's
+    scorer, over a CPU float32 copy of DSpark's Markov head or DFlash2's selector (gathered from its shards
+    under FSDP, so every process calls this), or the variant's own (XPress's refiner); None for DFlash."""
+    own = model.variant.cpu_tree_scorer(model)
+    if own is not None:
+        return own
     head = model.markov_head if model.markov_head is not None else model.candidate_selector
     if head is None:
         return None
@@ -130,7 +131,8 @@ def cpu_tree_scorer(model):
         copy, scorer = (CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k),
                         SelectorScorer)
     copy.load_state_dict(state)
-    return partial(scorer, copy.eval())
+    copy.eval()
+    return lambda hidden, bonus, before=None: scorer(copy, hidden, bonus)  # before: XPress's only
 
 
 def validation_record(val: dict) -> dict:

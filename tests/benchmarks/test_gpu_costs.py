@@ -50,7 +50,7 @@ def test_tiny_run_writes_the_context_axis_and_scored_costs(tmp_path):
     costs = json.loads(out.read_text())
     assert costs["verify_ms_by_context"].keys() == {"256"}  # 32 is not longer than --context
     assert costs["verify_ms_by_context"]["256"].keys() == {"1", "4"}
-    keys = {"dspark-vanilla", "dspark-gated", "dspark-rnn", "dflash2"}
+    keys = {"dspark-vanilla", "dspark-gated", "dspark-rnn", "dflash2", "xpress"}
     assert costs["tree_build_ms_by_scores"].keys() == keys and costs["chain_walk_ms_by_scores"].keys() == keys
     assert all(t > 0 for k in keys for t in [*costs["tree_build_ms_by_scores"][k].values(),
                                              costs["chain_walk_ms_by_scores"][k]])

@@ -114,9 +114,9 @@ def test_init_from_keeps_its_vocabulary_on_other_data(run, small_data, tmp_path)
     (["model.draft_vocab_size=1"], "'model.draft_vocab_size': Input should be greater than or equal to 2 (got 1)"),
     ([f"model.draft_vocab_size={V + 1}"], f"model.draft_vocab_size {V + 1} must be in 2..{V - 1}"),
     (["model.draft_vocab_size=64", "model.variant=dspark", "model.markov_rank=8"],
-     "model.draft_vocab_size is for variant dflash: model.variant=dspark"),
+     "model.draft_vocab_size is for variants dflash and xpress: model.variant=dspark"),
     (["model.draft_vocab_size=64", "model.variant=dflash2"],
-     "model.draft_vocab_size is for variant dflash: model.variant=dflash2"),
+     "model.draft_vocab_size is for variants dflash and xpress: model.variant=dflash2"),
 ])
 def test_bad_draft_vocab_sizes_are_one_line_exit_2(extra, message, small_data, tmp_path):
     out = tmp_path / "o"

@@ -159,3 +159,45 @@ def test_the_continue_recipe_trains_on_from_the_committed_drafter_with_its_shape
     assert cfg.data.val == base.data.val and cfg.data.train != base.data.train
     assert (cfg.loss, cfg.data.max_length, cfg.data.num_anchors) == (base.loss, base.data.max_length,
                                                                      base.data.num_anchors)
+
+
+def test_the_xpress_recipe_grows_from_the_committed_drafter():
+    """recipes/smollm2-135m-xpress.yaml: the continue recipe's drafter shape, data and schedule, variant
+    xpress with speculators' XPress objective, from checkpoints/smollm2-135m-dflash (its backbone and
+    draft vocabulary; a fresh refiner, checked on the folder itself: no target needed)."""
+    import torch
+
+    from dflash_train.checkpoint.folders import load_drafter
+    from dflash_train.model.drafter import DFlashDrafter
+
+    cont = load_recipe(ROOT / "recipes" / "smollm2-135m-continue.yaml")
+    cfg = load_recipe(ROOT / "recipes" / "smollm2-135m-xpress.yaml")
+    m = cfg.model
+    assert (m.variant, m.xpress_rank, m.xpress_mlp_ratio, m.num_jacobi_passes) == ("xpress", 256, 2, 6)
+    assert m.init_from == cont.model.init_from and (cfg.data, cfg.train) == (cont.data, cont.train)
+    for key in ("num_layers", "block_size", "target_layer_ids", "mask_token", "draft_vocab_size"):
+        assert getattr(m, key) == getattr(cont.model, key), key
+    assert (cfg.loss.terms, cfg.loss.position_weight, cfg.loss.gamma) == ({"ce": 0.1, "tv": 0.9}, "exp", 4.0)
+    assert (cfg.loss.consistency_weight, cfg.loss.consistency_passes, cfg.loss.base_anchor_weight) == (0.3, 3, 0.6)
+    dflash, _ = load_drafter(ROOT / m.init_from)
+    c = dflash.config
+    grown = DFlashDrafter(type(c)(**{**c.to_dict(), "variant": "xpress", "xpress_rank": m.xpress_rank,
+                                     "xpress_mlp_ratio": m.xpress_mlp_ratio,
+                                     "num_jacobi_passes": m.num_jacobi_passes}))
+    missing, unexpected = grown.load_state_dict(dflash.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith("refiner_head.") for k in missing)
+    assert grown.refiner_head.readout.weight.shape == (m.draft_vocab_size, m.xpress_rank)
+    assert torch.equal(grown.t2d, dflash.t2d)
+
+
+@pytest.mark.skipif(not (ROOT / "data" / "real" / "smollm2-135m-instruct").is_dir(),
+                    reason="the real target is not here (make real-target)")
+def test_the_xpress_recipe_builds_on_the_real_target():
+    """init_drafter on SmolLM2 itself: model.init_from grows the committed DFlash drafter into XPress."""
+    from dflash_train.model.target import load_target
+    from dflash_train.training.build import init_drafter
+
+    cfg = load_recipe(ROOT / "recipes" / "smollm2-135m-xpress.yaml")
+    target = load_target(str(ROOT / cfg.model.target))
+    drafter = init_drafter(target, cfg.model.model_copy(update={"init_from": str(ROOT / cfg.model.init_from)}))
+    assert drafter.config.variant == "xpress" and drafter.config.draft_vocab_size == 16384

@@ -7,10 +7,15 @@ from the backbone's marginals, no fields of its own.
 
     decoding      chain, states_confidence, scorer
     drafter       conv, add_modules
-    training      teacher_forced
-    recipes       drafter_fields, recipe_fields, grows_from, grown
-    checkpoints   check, draft_vocab, from_speculators, speculators_fields, native_refusal
+    training      teacher_forced, bias_weight, extra_loss, extra_terms, heads_outside_forward
+    recipes       drafter_fields, recipe_fields, grows_from, grown, check_recipe
+    checkpoints   check, draft_vocab, from_speculators, speculators_fields, speculators_config_class,
+                  native_refusal
+    export        display_name, card_algorithm, card_vllm, card_limitations, card_training
     evaluation    cost_key
+
+`before` (chain, scorer, teacher_forced) is the token before the bonus (anchor) token: XPress's refiner
+reads it at slot 0; the other variants ignore it.
 """
 
 from dataclasses import dataclass
@@ -26,10 +31,12 @@ class ChainDraft:
     """One block's greedy chain."""
     tokens: torch.Tensor  # [B-1] long, the drafted slots 1..B-1
     confidence: torch.Tensor | None = None  # [B-1] acceptance logits (DSpark's confidence head), or None
+    passes: int | None = None  # XPress: the Jacobi passes run (None: not an iterative chain)
 
 
 class Variant:
     name = "dflash"
+    display_name = "DFlash"  # the model card's name for it
     # DrafterConfig fields of this variant (same names in the recipe's model section); model.init_from
     # refuses a drafter whose fields differ from the recipe's
     recipe_fields: tuple[str, ...] = ()
@@ -42,10 +49,14 @@ class Variant:
     draft_vocab = True
     # why the native DFlash format (z-lab's config.json) cannot hold this drafter; None: it can
     native_refusal: str | None = None
+    # whether its heads run after the backbone's forward (and their weights are used inside the loss),
+    # outside any sharded unit's forward: FSDP must then keep parameters unsharded, ZeRO-3 cannot serve it
+    heads_outside_forward = False
 
     # --- decoding ---------------------------------------------------------------------------------
 
-    def chain(self, drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus: int) -> ChainDraft:
+    def chain(self, drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus: int,
+              before: int | None = None) -> ChainDraft:
         """The greedy chain of one block: hidden [B, H] the drafter's final-normed states (slot 0: the
         bonus token's), base_logits [B-1, V] the backbone's (-inf outside a draft vocabulary).
         DFlash: every slot's argmax, drafted independently."""
@@ -55,7 +66,7 @@ class Variant:
         """Whether `chain` states each slot's acceptance (decoding then tabulates it against the target)."""
         return False
 
-    def scorer(self, drafter, hidden: torch.Tensor, bonus: int):
+    def scorer(self, drafter, hidden: torch.Tensor, bonus: int, before: int | None = None):
         """The path-conditioned children of this block's DDTree (for `ddtree.build_tree`), from hidden
         [B, H]; None: the tree from the backbone's marginals."""
         return None
@@ -71,12 +82,39 @@ class Variant:
 
     # --- training -----------------------------------------------------------------------------------
 
-    def teacher_forced(self, drafter, block_hidden: torch.Tensor, block_tokens: torch.Tensor) -> dict:
+    def teacher_forced(self, drafter, block_hidden: torch.Tensor, block_tokens: torch.Tensor,
+                       before: torch.Tensor | None = None) -> dict:
         """What the variant's heads give on the true previous tokens, as training.blocks.BlockOutputs
-        fields: block_hidden [b, A, B, H] every slot's state, block_tokens [b, A, B] the true tokens."""
+        fields: block_hidden [b, A, B, H] every slot's state, block_tokens [b, A, B] the true tokens,
+        before [b, A] the token before each anchor."""
         return {}
 
+    def cpu_tree_scorer(self, model):
+        """Validation's path-conditioned trees: (block hidden [B, H], bonus, before) -> scorer over a CPU
+        float32 copy of the variant's head (every process calls it: FSDP gathers); None: validate.py's
+        (DSpark's, DFlash2's) or the marginal tree."""
+        return None
+
+    def bias_weight(self, model) -> torch.Tensor | None:
+        """w2 [V, r] of the low-rank logit bias u . w2^T whose u teacher_forced gives as markov_u."""
+        return None
+
+    def extra_loss(self, o, model, cfg, block_loss, loss: torch.Tensor, m: dict):
+        """Terms beyond the main loss `loss` (metrics m): -> (loss, m with m["terms"] grown by
+        extra_terms(cfg)). block_loss(bias=None, grad=True) -> (loss, m) is the block's loss again
+        (same head, labels, target, normaliser) with another low-rank logit bias (u, w2), or none;
+        its m["pred"] is the argmax in the head's index space. DSpark's and DFlash2's extra terms are
+        still in training/objective.py."""
+        return loss, m
+
+    def extra_terms(self, cfg) -> list[str]:
+        """The names of the terms extra_loss appends to m["terms"]."""
+        return []
+
     # --- recipes ------------------------------------------------------------------------------------
+
+    def check_recipe(self, cfg) -> None:
+        """What this variant refuses of a whole recipe (RunConfig; raises ValueError, one line)."""
 
     def drafter_fields(self, m, tc) -> dict:
         """This variant's part of a DrafterConfig from the recipe's model section `m`, checked against
@@ -99,6 +137,29 @@ class Variant:
     def speculators_fields(self, cfg) -> dict:
         """This variant's fields of its Speculators config (speculators' names), from a DrafterConfig."""
         return {}
+
+    def speculators_config_class(self):
+        """speculators' config class for this variant (imported when asked: speculators is heavy)."""
+        from speculators.models.dflash import DFlashSpeculatorConfig
+        return DFlashSpeculatorConfig
+
+    # --- the model card (None: the card's DFlash text) ------------------------------------------------
+
+    def card_algorithm(self, cfg) -> str | None:
+        """The card's one-line account of the drafting."""
+        return None
+
+    def card_vllm(self, fmt: str, cfg, pin: dict, serve_ref: str) -> str | None:
+        """The commands that serve (or, with none released, run) the export."""
+        return None
+
+    def card_limitations(self, cfg) -> str:
+        """Limitation lines ("\n- ...") beyond the template's."""
+        return ""
+
+    def card_training(self, m: dict, loss: dict) -> str | None:
+        """The end of the training sentence (recipe sections model `m` and loss), for its extra terms."""
+        return None
 
     # --- evaluation ---------------------------------------------------------------------------------
 

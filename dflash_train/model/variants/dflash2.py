@@ -297,18 +297,20 @@ class SelectorScorer:
 class DFlash2(Variant):
     """The variant: local convolutions in every layer, the selector's chain and tree, and DFlash2's fields."""
     name = "dflash2"
+    display_name = "DFlash2"
     recipe_fields = tuple(SPECULATORS_DEFAULTS)  # conv_kernel_size, conv_group_size, selector_rank, _top_k
     grows_from = ("dflash",)
     grown = ("candidate_selector.",)
     draft_vocab = False
+    heads_outside_forward = True  # the selector runs after the LM head, its codebook inside the loss
     native_refusal = ("the native DFlash format has no convolutions or candidate selector: export a DFlash2 "
                       "drafter with --format speculators (vLLM 0.33 reads it as DFlash2DraftModel)")
 
-    def chain(self, drafter, hidden, base_logits, bonus) -> ChainDraft:
+    def chain(self, drafter, hidden, base_logits, bonus, before=None) -> ChainDraft:
         """vLLM's selector walk (`selector_chain`); base_logits are the unary logits."""
         return ChainDraft(selector_chain(drafter.candidate_selector, hidden[1:], base_logits, bonus))
 
-    def scorer(self, drafter, hidden, bonus):
+    def scorer(self, drafter, hidden, bonus, before=None):
         return SelectorScorer(drafter.candidate_selector, hidden, bonus)
 
     def conv(self, config) -> tuple[int, int, int]:
@@ -356,6 +358,10 @@ class DFlash2(Variant):
 
     def speculators_fields(self, cfg) -> dict:
         return {k: getattr(cfg, k) for k in SPECULATORS_DEFAULTS}
+
+    def speculators_config_class(self):
+        from speculators.models.dflash2 import DFlash2SpeculatorConfig  # architectures ["DFlash2DraftModel"]
+        return DFlash2SpeculatorConfig
 
     def cost_key(self, cfg) -> str | None:
         return "dflash2" if cfg.selector_rank else None

@@ -305,14 +305,16 @@ def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weight
 class DSpark(Variant):
     """The variant: the heads after the backbone, the Markov chain and tree, and DSpark's fields."""
     name = "dspark"
+    display_name = "DSpark"
     recipe_fields = ("markov_rank", "markov_head_type", "confidence_head")
     grows_from = ("dflash",)
     grown = ("markov_head.", "confidence_head.")
     draft_vocab = False
+    heads_outside_forward = True  # the heads run after the backbone, W2 inside the loss
     native_refusal = ("the native DFlash format has no Markov or confidence head: export a DSpark drafter "
                       "with --format speculators (served by vLLM as method dspark)")
 
-    def chain(self, drafter, hidden, base_logits, bonus) -> ChainDraft:
+    def chain(self, drafter, hidden, base_logits, bonus, before=None) -> ChainDraft:
         """Each slot biased by the token drafted before it (`markov_chain`), and the confidence logits."""
         tokens, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
         return ChainDraft(tokens, confidence)
@@ -320,13 +322,13 @@ class DSpark(Variant):
     def states_confidence(self, drafter) -> bool:
         return drafter.confidence_head is not None
 
-    def scorer(self, drafter, hidden, bonus):
+    def scorer(self, drafter, hidden, bonus, before=None):
         return None if drafter.markov_head is None else MarkovScorer(drafter.markov_head, hidden, bonus)
 
     def add_modules(self, drafter, config) -> None:
         drafter.markov_head, drafter.confidence_head = dspark_heads(config)
 
-    def teacher_forced(self, drafter, block_hidden, block_tokens) -> dict:
+    def teacher_forced(self, drafter, block_hidden, block_tokens, before=None) -> dict:
         u, confidence = teacher_forced(drafter, block_hidden, block_tokens)
         return {"markov_u": u, "confidence_logits": confidence}
 
@@ -360,6 +362,13 @@ class DSpark(Variant):
                             "drafts over the full vocabulary")
         return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type,
                 "confidence_head": confidence, "confidence_head_with_markov": with_markov}
+
+    def bias_weight(self, model):
+        return None if model.markov_head is None else model.markov_head.markov_w2.weight
+
+    def speculators_config_class(self):
+        from speculators.models.dspark import DSparkSpeculatorConfig
+        return DSparkSpeculatorConfig
 
     def speculators_fields(self, cfg) -> dict:
         return {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Issue 44: every variant on SmolLM2 at equal CPU time, from the committed drafter's backbone.
+# Stages skip what is done, so a killed run continues: run it again.
+#   bash benchmarks/variants_smollm2.sh data       # the prepared corpus and its hidden-state cache (~56 min, 1 thread)
+#   bash benchmarks/variants_smollm2.sh calibrate  # 20 steps of each arm, both at once (one thread each): s/step
+#   bash benchmarks/variants_smollm2.sh train      # each arm for CPU_MIN (60) CPU-minutes of steps, two at once
+# Arms: DFlash continued (the control, recipes/smollm2-135m-continue.yaml) and XPress grown from the committed
+# drafter (recipes/smollm2-135m-xpress.yaml); DSpark joins once it drafts in a draft vocabulary (issue 44
+# item 3), DFlash2 with its full vocabulary.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.venv/bin
+R=data/real
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+stage=${1:-data}
+
+if [ "$stage" = data ]; then
+  [ -d $R/smollm2-135m-instruct ] || make real-target
+  if [ ! -f $R/corpus-new.jsonl ]; then
+    python3 -c "import gzip; r = gzip.open('data/smollm2-135m-corpus/conversations.jsonl.gz', 'rt').read().splitlines(); \
+      open('$R/corpus-first1280.jsonl', 'w').write('\n'.join(r[:1280]) + '\n'); \
+      open('$R/corpus-new.jsonl', 'w').write('\n'.join(r[1280:]) + '\n')"
+  fi
+  [ -f $R/corpus-prepared/prepare_info.json ] || $BIN/dflash-prepare --input $R/corpus-first1280.jsonl \
+    --format messages --target $R/smollm2-135m-instruct --output $R/corpus-prepared --max-length 512 --val-size 32
+  [ -f $R/corpus-new-prepared/prepare_info.json ] || $BIN/dflash-prepare --input $R/corpus-new.jsonl \
+    --format messages --target $R/smollm2-135m-instruct --output $R/corpus-new-prepared --max-length 512 --val-size 1
+  # dflash-cache resumes a cache it started
+  $BIN/dflash-cache --data $R/corpus-new-prepared/train --target $R/smollm2-135m-instruct \
+    --output $R/corpus-new-cache --num-draft-layers 2 --max-length 512 --target-dtype fp32
+fi
+
+ARMS=${ARMS:-"dflash:recipes/smollm2-135m-continue.yaml xpress:recipes/smollm2-135m-xpress.yaml"}
+OUT=runs/variants
+launch() {  # name recipe steps extra...
+  local name=$1 recipe=$2 steps=$3; shift 3
+  $BIN/accelerate launch -q --num_processes 1 --num_machines 1 --mixed_precision no --dynamo_backend no \
+    --main_process_port 0 dflash_train/train.py --recipe "$recipe" output_dir=$OUT/$name max_steps=$steps "$@"
+}
+
+if [ "$stage" = calibrate ]; then
+  mkdir -p $OUT
+  for arm in $ARMS; do
+    name=${arm%%:*}; recipe=${arm#*:}
+    [ -f $OUT/calib-$name/summary.json ] || launch calib-$name "$recipe" 20 checkpoint_every=0 eval.every=0 \
+      eval.max_samples=4 overwrite=true > $OUT/calib-$name.log 2>&1 &
+  done
+  wait
+  for arm in $ARMS; do
+    name=${arm%%:*}
+    python3 -c "import json; s = json.load(open('$OUT/calib-$name/summary.json')); \
+      print('$name', round(s['train_tokens'] / s['train_tokens_per_s'] / s['steps'], 3), 's/step')"
+  done
+fi
+
+if [ "$stage" = train ]; then
+  CPU_MIN=${CPU_MIN:-60}
+  for arm in $ARMS; do
+    name=${arm%%:*}; recipe=${arm#*:}
+    sps=$(python3 -c "import json; s = json.load(open('$OUT/calib-$name/summary.json')); \
+      print(s['train_tokens'] / s['train_tokens_per_s'] / s['steps'])")
+    steps=$(python3 -c "print(int($CPU_MIN * 60 / $sps))")
+    echo "$name: $sps s/step -> $steps steps for $CPU_MIN CPU-min"
+    # rerun to resume: the same command continues from the newest checkpoint
+    [ -f $OUT/$name/summary.json ] || launch $name "$recipe" $steps checkpoint_every=100 > $OUT/$name.log 2>&1 &
+  done
+  wait
+fi

@@ -1,12 +1,13 @@
 # make demo: install if needed, then train, evaluate and export the tiny default end to end.
-# make test: install if needed, then the test suite.
+# make test: install if needed, then the guards (make lint), then the test suite.
+# make lint: ruff (pycodestyle errors, pyflakes, lines <= 110) and the import layers (lint-imports).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # The CPU build of torch when this machine has it on disk; a GPU user sets TORCH=torch==2.14.1.
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test target clean vllm-ref real-target
+.PHONY: install demo test lint target clean vllm-ref real-target
 
 install: $(STAMP)
 
@@ -37,9 +38,15 @@ demo: install
 # Two pytest workers (pytest-xdist), whole files each so module fixtures are built once: this
 # machine's two cores; TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
-test: install
+test: install lint
 	-$(PY) tests/fetch_vllm.py
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=10
+
+# Seconds, before any test: ruff over the package, tests, benchmarks and data/*.py, and the layers
+# contract of docs/architecture.md (both configured in pyproject.toml).
+lint: install
+	$(VENV)/bin/ruff check
+	$(VENV)/bin/lint-imports
 
 # vLLM 0.33's Python sources (no install, no CUDA) into .cache/, once.
 vllm-ref: install

@@ -161,12 +161,14 @@ def check_no_draft_vocab_tensors(state: dict[str, torch.Tensor], cfg: DrafterCon
     if cfg.draft_vocab_size is not None:
         return
     V = cfg.vocab_size
-    found = {name: _tokens_kept(name, state[name]) for name in ("d2t", "t2d", "lm_head.weight") if name in state}
+    found = {name: _tokens_kept(name, state[name]) for name in ("d2t", "t2d", "lm_head.weight")
+             if name in state}
     smaller = [n for n in found.values() if n < V]
     if smaller:
-        raise UserError(f"'{path}': the config and the weights disagree: the config gives no draft vocabulary "
-                        f"(no draft_vocab_size below {V}), the weights carry one of {max(smaller)} tokens "
-                        f"({', '.join(sorted(found))}): set draft_vocab_size in its config.json, or drop them")
+        raise UserError(f"'{path}': the config and the weights disagree: the config gives "
+                        f"no draft vocabulary (no draft_vocab_size below {V}), the weights carry one of "
+                        f"{max(smaller)} tokens ({', '.join(sorted(found))}): set draft_vocab_size in its "
+                        f"config.json, or drop them")
 
 
 def load_drafter(path: str | Path) -> tuple[DFlashDrafter, dict]:

@@ -207,7 +207,8 @@ def detect_format(config: dict) -> str:
     if "DFlashDraftModel" in (config.get("architectures") or []) and "dflash_config" in config:
         return NATIVE
     raise UserError("config.json is not a DFlash drafter in any known format "
-                    f"(dflash-train, speculators {', '.join(map(repr, VARIANTS))}, or native DFlashDraftModel)")
+                    f"(dflash-train, speculators {', '.join(map(repr, VARIANTS))}, or "
+                    f"native DFlashDraftModel)")
 
 
 def _block_attention(causal) -> str:

@@ -113,8 +113,8 @@ def parse_args(argv):
     p.add_argument("--budgets", default="4,16,64,256",
                    help="DDTree budgets (non-root nodes); 0 = plain decoding")
     p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
-                   help="a DSpark, DFlash2 or XPress drafter's DDTree: path-conditioned (default; DFlash2: by its "
-                        "selector) or from the backbone's marginals")
+                   help="a DSpark, DFlash2 or XPress drafter's DDTree: path-conditioned "
+                        "(default; DFlash2: by its selector) or from the backbone's marginals")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
@@ -241,10 +241,9 @@ def run(args, argv) -> None:
     report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
                    "target_revision": target.revision, "block_size": B,
                    "target_layer_ids": drafter.config.target_layer_ids,
-                   "hardware": hardware_record(device) | {"dtype": (BF16_WEIGHTS if bf16_weights
-                                                                    else str(dtype).removeprefix("torch.")),
-                                                          "cpu_linear": cpu_linear,
-                                                          "attention": target.model.config._attn_implementation},
+                   "hardware": hardware_record(device) | {
+                       "dtype": BF16_WEIGHTS if bf16_weights else str(dtype).removeprefix("torch."),
+                       "cpu_linear": cpu_linear, "attention": target.model.config._attn_implementation},
                    "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
                    "markov_head_type": drafter.config.markov_head_type,
                    "selector_rank": drafter.config.selector_rank,

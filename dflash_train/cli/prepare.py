@@ -21,8 +21,8 @@ from dflash_train.cli import defaults_of, locked_main
 from dflash_train.core.errors import OneLineArgumentParser
 from dflash_train.core.seeds import SEED_LIMIT
 from dflash_train.data.chat import FORMATS
-from dflash_train.data.prepare import (MAX_BATCH_SIZE, MAX_LENGTH, MAX_NEW_TOKENS, MAX_TEMPERATURE, PrepareSettings,
-                                       prepare)
+from dflash_train.data.prepare import (MAX_BATCH_SIZE, MAX_LENGTH, MAX_NEW_TOKENS, MAX_TEMPERATURE,
+                                       PrepareSettings, prepare)
 
 
 def parse_args(argv) -> PrepareSettings:
@@ -54,8 +54,8 @@ def parse_args(argv) -> PrepareSettings:
                    help=f"tokens per conversation; longer ones are cut (default {MAX_LENGTH}, DFlash's, or "
                         "the target's max_position_embeddings when fewer)")
     p.add_argument("--min-supervised-tokens", type=int,
-                   help="drop conversations with fewer assistant tokens after cutting (default %(default)s = 2 x "
-                        "DFlash's block size 16, as DFlash drops them)")
+                   help="drop conversations with fewer assistant tokens after cutting "
+                        "(default %(default)s = 2 x DFlash's block size 16, as DFlash drops them)")
     p.add_argument("--shuffle", action="store_true", help="shuffle rows (seeded); default: input order")
     p.add_argument("--seed", type=int, help="for shuffling, the val sample and sampling")
     val = p.add_mutually_exclusive_group()

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from dflash_train import __version__
 from dflash_train.core.errors import UserError, say
-from dflash_train.core.markers import KINDS, MARKER, marker_kind  # (the layers above import them from here too)
+# (the layers above import them from here too)
+from dflash_train.core.markers import KINDS, MARKER, marker_kind
 from dflash_train.core.paths import resolve_input
 
 

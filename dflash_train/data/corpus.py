@@ -178,7 +178,8 @@ def check_flags(out: Path, work: Path, s: CorpusSettings) -> None:
         made = json.loads((work / regen.SETTINGS_FILE).read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         made = None  # none yet, or damaged: regenerate() says so
-    mine = {"batch_size": s.chunk, "max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens}
+    mine = {"batch_size": s.chunk, "max_new_tokens": s.max_new_tokens,
+            "max_prompt_tokens": s.max_prompt_tokens}
     if isinstance(made, dict):
         differ = [(FLAGS[k], made[k], v) for k, v in mine.items() if k in made and made[k] != v]
         if differ:
@@ -268,7 +269,8 @@ def timing(clock: dict) -> dict:
             "answer_tokens_per_s_last_run": round(clock["run_tokens"] / max(clock["run_seconds"], 1e-9), 1)}
 
 
-if __name__ == "__main__":  # the spelling it was once run with: say where the command line went (data/ imports no cli/)
+# the spelling it was once run with: say where the command line went (data/ imports no cli/)
+if __name__ == "__main__":
     print("error: the corpus builder's command line is now python -m dflash_train.cli.corpus (same flags)",
           file=sys.stderr)
     sys.exit(2)

@@ -114,12 +114,14 @@ def prepared_with(info: Path, folder: Path) -> dict:
     try:
         made = json.loads(info.read_text())
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise UserError(f"data folder '{folder}': its {info.name} is damaged ({type(e).__name__}): prepare it "
+        raise UserError(f"data folder '{folder}': its {info.name} is damaged "
+                        f"({type(e).__name__}): prepare it "
                         "again") from None
-    parts = {k: made.get(k, {}) if isinstance(made, dict) else None for k in ("template", "tokenizer", "target")}
+    parts = {k: made.get(k, {}) if isinstance(made, dict) else None
+             for k in ("template", "tokenizer", "target")}
     if not all(isinstance(v, dict) for v in parts.values()):
-        raise UserError(f"data folder '{folder}': its {info.name} is damaged (not what dflash-prepare writes): "
-                        "prepare it again")
+        raise UserError(f"data folder '{folder}': its {info.name} is damaged (not what "
+                        "dflash-prepare writes): prepare it again")
     return parts
 
 

@@ -115,7 +115,8 @@ def prepare(settings: PrepareSettings) -> None:
         old_info, old = read_prepared(Path(s.append_to))
         check_appendable(old_info, info, Path(s.append_to))
 
-    conversations, counts, dropped, info["regeneration"] = read_and_regenerate(s, fields, tokenizer, eot, work)
+    conversations, counts, dropped, info["regeneration"] = read_and_regenerate(
+        s, fields, tokenizer, eot, work)
     kept, truncated = encode_and_filter(s, tokenizer, conversations, eot, dropped)
     summary = (f"{counts.read} rows read from {s.input}, {counts.malformed} malformed; kept {len(kept)}, "
                f"dropped {sum(dropped.values())}" + "".join(f", {k} {v}" for k, v in dropped.items() if v))
@@ -134,7 +135,8 @@ def prepare(settings: PrepareSettings) -> None:
         info["appended_to"] = {"path": str(Path(s.append_to).resolve()),
                                "splits": {name: len(part) for name, part in old.items()},
                                "already_there": already}
-    write_atomically(out, lambda tmp: write_prepared(tmp, splits, info, conversations if s.regenerate else None),
+    write_atomically(out, lambda tmp: write_prepared(tmp, splits, info,
+                                                     conversations if s.regenerate else None),
                      "prepare")
     if work is not None and marker_kind(work) == "regenerate":
         shutil.rmtree(work, ignore_errors=True)  # ours, finished: nothing left to resume

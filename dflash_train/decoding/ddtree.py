@@ -201,7 +201,8 @@ def marginal_search(draft_logits: torch.Tensor, K: int, budget: int, token_ids: 
     fewest = max(1, int(torch.isfinite(top_k_log_probs(draft_logits, K)[0]).sum(-1).min()))
     if fewest < K:
         return marginal_search(draft_logits, fewest, budget, token_ids)  # the top-K of counting first
-    return best_first(rows.expand, -1, None, draft_logits.shape[0], budget)  # a row all -inf: K = 1, as before
+    # a row all -inf: K = 1, as before
+    return best_first(rows.expand, -1, None, draft_logits.shape[0], budget)
 
 
 # Depths scored before the search starts; the next block is 2 more, then the rest. Random logits at

@@ -174,7 +174,8 @@ def _header(report: dict) -> list[str]:
              f"Hardware: {hw['device']} ({hw['device_type']}), torch {hw['torch']}"
              + (f", CUDA {hw['cuda']}, driver {hw['driver']}" if hw.get("cuda") else "")
              + (_dtype_text(hw["dtype"]) if hw.get("dtype") else "")
-             + (f", {hw['cpu_threads']} thread(s), the streaming CPU linear (dflash_train/model/cpu_linear.py)"
+             + (f", {hw['cpu_threads']} thread(s), the streaming CPU linear "
+                f"(dflash_train/model/cpu_linear.py)"
                 if hw.get("cpu_linear") == "stream" else "") + ".", ""]
     trained = report.get("trained_for") or {}
     if trained.get("deploy_budget") or trained.get("tree_distill"):

@@ -82,9 +82,10 @@ def check_reports(reports: list[dict], drafter, verifier: str, revision: str | N
             raise UserError(f"{where} has no drafter_fingerprint (written by an older dflash-eval), so it "
                             "cannot be matched to this checkpoint: evaluate the checkpoint again")
         if unrounded not in (None, fingerprint) and rep["drafter_fingerprint"] == unrounded:
-            raise UserError(f"{where} measured the drafter's fp32 weights, and this export holds them rounded "
-                            "to bf16 (--dtype bf16): export without the report, evaluate the export and "
-                            "export again with that report, or export with --dtype fp32")
+            raise UserError(f"{where} measured the drafter's fp32 weights, and this export "
+                            "holds them rounded to bf16 (--dtype bf16): export without the report, "
+                            "evaluate the export and export again with that report, or "
+                            "export with --dtype fp32")
         if rep["drafter_fingerprint"] != fingerprint:
             raise UserError(f"{where} measured another drafter (fingerprint "
                             f"{rep['drafter_fingerprint'][:12]}, this checkpoint's is {fingerprint[:12]})")

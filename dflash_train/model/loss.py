@@ -232,8 +232,8 @@ class ChunkedBlockLoss(torch.autograd.Function):
         grad = torch.empty_like(h)
         bias = None if u is None else (u, w2)
         bias_grads = None if u is None else (torch.empty_like(u), torch.zeros_like(w2))
-        numerator, sums, labels, correct, alpha, pred = _chunked_pieces(h, th, tokens, valid, head, cfg, chunk,
-                                                                        grad, bias, bias_grads, given)
+        numerator, sums, labels, correct, alpha, pred = _chunked_pieces(h, th, tokens, valid, head, cfg,
+                                                                        chunk, grad, bias, bias_grads, given)
         ctx.save_for_backward(grad, *(bias_grads or ()))
         ctx.mark_non_differentiable(sums, labels, correct, alpha, pred)
         return numerator, sums, labels, correct, alpha, pred

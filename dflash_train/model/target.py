@@ -282,7 +282,8 @@ def resolve_pin(verifier: str, revision: str | None) -> dict:
 
 
 def pinned_by_content(pin: dict | None) -> bool:
-    return isinstance(pin, dict) and pin.get("kind") == "content_sha256" and isinstance(pin.get("sha256"), str)
+    return (isinstance(pin, dict) and pin.get("kind") == "content_sha256"
+            and isinstance(pin.get("sha256"), str))
 
 
 def matches_pin(folder: Path, pin: dict) -> bool:

@@ -34,8 +34,10 @@ class BlockOutputs:
     # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
     block_hidden: torch.Tensor | None = None
     bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
-    before: torch.Tensor | None = None  # [b, A] the token before each anchor (the anchor itself at position 0)
-    variant_state: dict | None = None  # what a variant's extra loss reuses of its teacher-forced pass (XPress)
+    # [b, A] the token before each anchor (the anchor itself at position 0)
+    before: torch.Tensor | None = None
+    # what a variant's extra loss reuses of its teacher-forced pass (XPress)
+    variant_state: dict | None = None
     # the target's greedy token at each slot, from a cache that stores it (None: not read; see target_labels)
     cached_labels: torch.Tensor | None = None  # [b, A, K] long
 

@@ -80,7 +80,8 @@ class ModelConfig(Section):
     selector_top_k: int = Field(16, ge=1)  # dflash2: unary candidates per slot the selector re-ranks
     xpress_rank: int = Field(256, ge=1)  # xpress: the refiner's rank r (at most the target's hidden size)
     xpress_mlp_ratio: int = Field(2, ge=1)  # xpress: the refiner's SwiGLU is r -> ratio * r -> r
-    num_jacobi_passes: int = Field(6, ge=1)  # xpress: the chain's Jacobi passes at most (K; stops at a fixed point)
+    # xpress: the chain's Jacobi passes at most (K; stops at a fixed point)
+    num_jacobi_passes: int = Field(6, ge=1)
     # Draft vocabulary (dflash_train/model/vocab.py): the drafter predicts over the N tokens most often
     # supervised in data.train (the stop tokens always among them) through the target's rows of them,
     # frozen; exported as speculators' lm_head / d2t / t2d. null = the target's whole vocabulary.
@@ -226,8 +227,8 @@ class RunConfig(Section):
                              "layers: choose one")
         if m.draft_vocab_size is not None and not VARIANTS[m.variant].draft_vocab:
             raise ValueError(f"model.draft_vocab_size is for variants dflash and xpress: model.variant="
-                             f"{m.variant} drafts over the full vocabulary (its Markov / selector tables span "
-                             "it); leave draft_vocab_size null")
+                             f"{m.variant} drafts over the full vocabulary (its Markov / "
+                             "selector tables span it); leave draft_vocab_size null")
         if self.tree_distill.weight > 0 and self.tree_distill.every > self.max_steps:
             raise ValueError(f"tree_distill.every={self.tree_distill.every} is past "
                              f"max_steps={self.max_steps}: no step would ever distil (lower every, or set "
@@ -360,5 +361,6 @@ def with_paths(recipe: dict, show) -> dict:
 def dump_recipe(cfg: RunConfig) -> str:
     """The recipe saved with a run: inputs inside the checkout relative to it (any clone resolves them
     the same way); others absolute, as the run on this machine resumes from them."""
-    return yaml.safe_dump(with_paths(cfg.model_dump(mode="json"), lambda p: display_path(p, keep_outside=True)),
+    return yaml.safe_dump(with_paths(cfg.model_dump(mode="json"),
+                                     lambda p: display_path(p, keep_outside=True)),
                           sort_keys=False)

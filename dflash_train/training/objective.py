@@ -58,8 +58,9 @@ def draft_vocab_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
 
     def block_loss(bias=None, grad=True):
         with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
-            loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head, o.tokens,
-                                  o.valid, cfg.loss, normalizer=normalizer, markov_bias=bias, labels=labels)
+            loss, m = dflash_loss(o.draft_hidden, o.target_hidden if need_p else None, model.lm_head,
+                                  o.tokens, o.valid, cfg.loss, normalizer=normalizer, markov_bias=bias,
+                                  labels=labels)
         m["labels"] = given  # target ids: validation's trees are walked in the target's vocabulary
         return loss, m
     return block_loss

@@ -6,4 +6,5 @@ from dflash_train.model.variants.dflash2 import DFlash2
 from dflash_train.model.variants.dspark import DSpark
 from dflash_train.model.variants.xpress import XPress
 
-VARIANTS: dict[str, Variant] = {"dflash": Variant(), "dspark": DSpark(), "dflash2": DFlash2(), "xpress": XPress()}
+VARIANTS: dict[str, Variant] = {"dflash": Variant(), "dspark": DSpark(), "dflash2": DFlash2(),
+                                "xpress": XPress()}

@@ -109,7 +109,8 @@ def teacher_forced(drafter, block_hidden: torch.Tensor, block_tokens: torch.Tens
 
 def kept_ids(drafter) -> torch.Tensor | None:
     """[N] the target id of each draft index (speculators' d2v: i + d2t[i]); None: the full vocabulary."""
-    return None if drafter.lm_head is None else drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device)
+    return (None if drafter.lm_head is None
+            else drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device))
 
 
 @torch.no_grad()
@@ -180,7 +181,8 @@ class XPressScorer:
 
         def readout_of(depth: int) -> np.ndarray:
             if depth not in readout:
-                rows = cols[depth] if self.readout_row is None else self.readout_row.cpu().numpy()[cols[depth]]
+                rows = (cols[depth] if self.readout_row is None
+                        else self.readout_row.cpu().numpy()[cols[depth]])
                 readout[depth] = _rows(head.readout.weight.detach(), rows)
             return readout[depth]
 
@@ -193,7 +195,8 @@ class XPressScorer:
             order = np.argsort(-z, kind="stable")[:K]  # ties: the better backbone rank first
             return (z[order] - log_norm).tolist(), cands.ids[depth, order].tolist(), child_carry
 
-        root_carry = step.first(_rows(embed.weight, [self.before])[0])  # a_0: slot 0 after the token before it
+        # a_0: slot 0 after the token before it
+        root_carry = step.first(_rows(embed.weight, [self.before])[0])
         return expand, self.bonus, root_carry
 
 
@@ -208,7 +211,8 @@ class _RefineStep:
         self.slot_part = f32(hcache.to(w_in.dtype) @ w_in[:, :2 * r].T)  # [B, r]
         self.w_e = f32(w_in[:, 2 * r:])  # [r, r]
         self.mix = f32(head.mix_l * head.causal_tril.to(head.mix_l.dtype))  # [r, B, B]
-        self.gate, self.up, self.down = f32(head.mlp_gate.weight), f32(head.mlp_up.weight), f32(head.mlp_down.weight)
+        self.gate, self.up, self.down = (f32(head.mlp_gate.weight), f32(head.mlp_up.weight),
+                                         f32(head.mlp_down.weight))
 
     def first(self, e: np.ndarray) -> np.ndarray:
         """The carry of slot 0 (prev = the token before the bonus token, embedding e [r]): [[a_0]]."""
@@ -237,7 +241,8 @@ class XPress(Variant):
                       "--format speculators")
 
     def chain(self, drafter, hidden, base_logits, bonus, before=None) -> ChainDraft:
-        tokens, passes = jacobi_chain(drafter, hidden, base_logits, bonus, bonus if before is None else before)
+        tokens, passes = jacobi_chain(drafter, hidden, base_logits, bonus,
+                                      bonus if before is None else before)
         return ChainDraft(tokens, passes=passes)
 
     def scorer(self, drafter, hidden, bonus, before=None):
@@ -246,7 +251,8 @@ class XPress(Variant):
 
     def add_modules(self, drafter, config) -> None:
         drafter.refiner_head = RefinerHead(config.vocab_size, config.hidden_size, config.block_size,
-                                           config.xpress_rank, config.xpress_mlp_ratio, config.draft_vocab_size)
+                                           config.xpress_rank, config.xpress_mlp_ratio,
+                                           config.draft_vocab_size)
 
     def teacher_forced(self, drafter, block_hidden, block_tokens, before=None) -> dict:
         y, hcache = teacher_forced(drafter, block_hidden, block_tokens,
@@ -318,10 +324,12 @@ class XPress(Variant):
 
     def check(self, fields) -> None:
         if fields.xpress_rank < 1 or fields.xpress_mlp_ratio < 1 or fields.num_jacobi_passes < 1:
-            raise ValueError(f"an xpress drafter needs xpress_rank, xpress_mlp_ratio and num_jacobi_passes >= 1, "
-                             f"got {fields.xpress_rank}, {fields.xpress_mlp_ratio}, {fields.num_jacobi_passes}")
+            raise ValueError(f"an xpress drafter needs xpress_rank, xpress_mlp_ratio and "
+                             f"num_jacobi_passes >= 1, got {fields.xpress_rank}, {fields.xpress_mlp_ratio}, "
+                             f"{fields.num_jacobi_passes}")
         if fields.xpress_rank > fields.hidden_size:
-            raise ValueError(f"xpress_rank {fields.xpress_rank} is above the hidden size {fields.hidden_size}")
+            raise ValueError(f"xpress_rank {fields.xpress_rank} is above the hidden size "
+                             f"{fields.hidden_size}")
 
     def from_speculators(self, config: dict) -> dict:
         """speculators' XPress default is sample_from_anchor false, the only layout read. A draft
@@ -329,7 +337,8 @@ class XPress(Variant):
         if config.get("sample_from_anchor", False):
             raise UserError("XPress config has sample_from_anchor true: dflash-train reads only false (the "
                             "bonus token at block slot 0, B-1 drafted tokens)")
-        rank, hidden = int(config.get("xpress_rank", DEFAULT_RANK)), config["transformer_layer_config"]["hidden_size"]
+        rank, hidden = (int(config.get("xpress_rank", DEFAULT_RANK)),
+                        config["transformer_layer_config"]["hidden_size"])
         if rank > hidden:
             raise UserError(f"XPress config has xpress_rank {rank} above the hidden size {hidden}")
         return {"variant": "xpress", "xpress_rank": rank,
@@ -347,9 +356,9 @@ class XPress(Variant):
     # --- the model card -----------------------------------------------------------------------------
 
     def card_algorithm(self, cfg) -> str:
-        return (f"XPress: the DFlash block forward, then a rank-{cfg.xpress_rank} causal refiner adds a logit "
-                "bias to each slot given the tokens before it, drafted by Jacobi passes (at most "
-                f"{cfg.num_jacobi_passes}, stopping at a fixed point)")
+        return (f"XPress: the DFlash block forward, then a rank-{cfg.xpress_rank} causal "
+                "refiner adds a logit bias to each slot given the tokens before it, drafted by "
+                f"Jacobi passes (at most {cfg.num_jacobi_passes}, stopping at a fixed point)")
 
     def card_vllm(self, fmt, cfg, pin, serve_ref) -> str:
         return ("# No released vLLM serves XPress (speculators 0.9 trains it and has no inference code).\n"
@@ -359,19 +368,20 @@ class XPress(Variant):
                 f"dflash-eval --drafter {serve_ref}")
 
     def card_limitations(self, cfg) -> str:
-        vocab = ("\n- vLLM PR #54448's XPress refuses a draft vocabulary (draft_vocab_size < the verifier's); "
-                 "speculators and dflash-train read it." if cfg.draft_vocab_size else "")
-        return vocab + ("\n- vLLM PR #54448 feeds the anchor token in place of the token before it (slot 0's previous "
-                "token); dflash-train trains and decodes with the true one, so the first mixer column sees "
-                "other inputs there.\n- The DDTree scores each node's children with the refiner's bias on "
-                f"the backbone's top-{TREE_CANDIDATES} tokens per depth, exactly given the node's path."
-                "\n- speculators 0.9.0's `from_pretrained` leaves `refiner_head.causal_tril` (a buffer that is "
-                "not saved) as uninitialised memory: after loading, set it to "
-                f"`torch.tril(torch.ones({cfg.block_size}, {cfg.block_size}))`.")
+        vocab = ("\n- vLLM PR #54448's XPress refuses a draft vocabulary (draft_vocab_size "
+                 "< the verifier's); speculators and dflash-train read it." if cfg.draft_vocab_size else "")
+        return vocab + ("\n- vLLM PR #54448 feeds the anchor token in place of the token before it "
+                "(slot 0's previous token); dflash-train trains and decodes with the true one, so the "
+                "first mixer column sees other inputs there.\n- The DDTree scores each node's children with "
+                f"the refiner's bias on the backbone's top-{TREE_CANDIDATES} tokens per depth, exactly "
+                "given the node's path.\n- speculators 0.9.0's `from_pretrained` leaves "
+                "`refiner_head.causal_tril` (a buffer that is not saved) as uninitialised memory: after "
+                f"loading, set it to `torch.tril(torch.ones({cfg.block_size}, {cfg.block_size}))`.")
 
     def card_training(self, m, loss) -> str:
-        return (f", plus {loss['consistency_passes']} consistency rounds (weight {loss['consistency_weight']}) "
-                f"and the backbone's own loss (weight {loss['base_anchor_weight']}).")
+        return (f", plus {loss['consistency_passes']} consistency rounds (weight "
+                f"{loss['consistency_weight']}) and the backbone's own loss (weight "
+                f"{loss['base_anchor_weight']}).")
 
     def cost_key(self, cfg) -> str | None:
         return "xpress"

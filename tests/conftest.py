@@ -54,7 +54,8 @@ def _save_random_target(out: Path, arch: str, num_layers: int = 6) -> Path:
                   tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                   bos_token_id=None)
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(**common)) if arch == "qwen3" else LlamaForCausalLM(LlamaConfig(**common))
+    model = (Qwen3ForCausalLM(Qwen3Config(**common)) if arch == "qwen3"
+             else LlamaForCausalLM(LlamaConfig(**common)))
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)

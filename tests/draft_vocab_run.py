@@ -12,10 +12,10 @@ _RUN: dict = {}
 
 
 def run_args(out: Path, small_data: Path, *extra) -> list[str]:
-    return [f"output_dir={out}", "seed=3", "max_steps=40", "checkpoint_every=20", "log_every=5", "eval.every=0",
-            "eval.max_samples=8", f"model.draft_vocab_size={DRAFT_VOCAB}", "model.num_layers=1", "train.batch_size=8",
-            "data.num_anchors=16", "train.lr=3e-3", f"data.train={small_data / 'train.jsonl'}",
-            f"data.val={small_data / 'val.jsonl'}", *extra]
+    return [f"output_dir={out}", "seed=3", "max_steps=40", "checkpoint_every=20", "log_every=5",
+            "eval.every=0", "eval.max_samples=8", f"model.draft_vocab_size={DRAFT_VOCAB}",
+            "model.num_layers=1", "train.batch_size=8", "data.num_anchors=16", "train.lr=3e-3",
+            f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}", *extra]
 
 
 def draft_vocab_run(tmp_path_factory, small_data) -> tuple[Path, str]:
@@ -40,7 +40,8 @@ def reference_vocab(small_data: Path, size: int, split: str = "train") -> tuple[
     from dflash_train.data.dataset import load_conversations
 
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    ds = load_conversations(str(small_data / f"{split}.jsonl"), tok, 256)  # recipes/tiny.yaml's data.max_length
+    # recipes/tiny.yaml's data.max_length
+    ds = load_conversations(str(small_data / f"{split}.jsonl"), tok, 256)
     counts = Counter()
     for ids, mask in zip(ds["input_ids"], ds["loss_mask"]):
         for t, m in zip(ids, mask):

@@ -17,7 +17,8 @@ import zipfile
 from pathlib import Path
 
 VERSION = "0.33.0"
-DEST = Path(os.environ.get("DFLASH_VLLM_SRC") or Path(__file__).resolve().parents[1] / ".cache" / f"vllm-{VERSION}")
+DEST = Path(os.environ.get("DFLASH_VLLM_SRC") or Path(__file__).resolve().parents[1] / ".cache"
+            / f"vllm-{VERSION}")
 
 
 def main() -> int:
@@ -25,10 +26,11 @@ def main() -> int:
         print(f"vLLM {VERSION} sources already in {DEST}")
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
-                            "-d", tmp, f"vllm=={VERSION}"])
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                            "--disable-pip-version-check", "-d", tmp, f"vllm=={VERSION}"])
         if r.returncode != 0:
-            print(f"could not download vllm=={VERSION}; the vLLM conversion tests will be skipped", file=sys.stderr)
+            print(f"could not download vllm=={VERSION}; the vLLM conversion tests will be skipped",
+                  file=sys.stderr)
             return 1
         wheel = next(Path(tmp).glob("vllm-*.whl"))
         partial = DEST.with_name(DEST.name + ".partial")

@@ -65,9 +65,11 @@ def vllm_layer_causal(config, layer_idx: int) -> bool:
     tree = ast.parse(source)
     keep = [n for n in tree.body
             if (isinstance(n, ast.FunctionDef) and n.name == "_dflash_layer_causal")
-            or (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_SLIDING_ATTENTION" for t in n.targets))]
+            or (isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "_SLIDING_ATTENTION"
+                                                  for t in n.targets))]
     if len(keep) != 2:
-        pytest.fail("vLLM's qwen3_dflash.py no longer has _dflash_layer_causal / _SLIDING_ATTENTION as expected")
+        pytest.fail("vLLM's qwen3_dflash.py no longer has _dflash_layer_causal / "
+                    "_SLIDING_ATTENTION as expected")
     namespace = {"Qwen3Config": object}
     exec(compile(ast.Module(body=keep, type_ignores=[]), "qwen3_dflash.py", "exec"), namespace)  # noqa: S102
     return namespace["_dflash_layer_causal"](config, layer_idx)

@@ -22,7 +22,8 @@ def test_tiny_cpu_run_writes_all_costs(tmp_path):
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu_costs.py"), "--tiny", "--device", "cpu",
-         "--dtype", "float32", "--repeats", "2", "--widths", "1,2,4", "--budgets", "4,8", "--draft-batches", "1,3", "--out", str(out)],
+         "--dtype", "float32", "--repeats", "2", "--widths", "1,2,4", "--budgets", "4,8", "--draft-batches",
+         "1,3", "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     costs = json.loads(out.read_text())

@@ -27,7 +27,8 @@ def test_stages_select_and_timings_are_shared(tmp_path):
     trainer.timed("train-dflash", lambda: ran.append("again"))  # done: skipped
     assert ran == ["train-dflash", "eval-dflash-t0", "train-dspark"]
     # each wrote after the other: neither lost the other's entries
-    assert set(json.loads((tmp_path / "timings.json").read_text())) == {"train-dflash", "eval-dflash-t0", "train-dspark"}
+    assert (set(json.loads((tmp_path / "timings.json").read_text()))
+            == {"train-dflash", "eval-dflash-t0", "train-dspark"})
     assert not list(tmp_path.glob("*.part"))
 
 
@@ -51,8 +52,10 @@ def test_off_path_prompts_are_the_training_prompts_without_val(tmp_path):
     ids = [tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"] for c in convs]
     prepared = tmp_path / "prepared"
     Dataset.from_dict({"input_ids": [ids[0], ids[2]]}).save_to_disk(str(prepared / "train"))
-    Dataset.from_dict({"input_ids": [ids[1][:-2]]}).save_to_disk(str(prepared / "val"))  # a cut reply still matches
-    (prepared / "regenerated.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))  # 3: dropped
+    # a cut reply still matches
+    Dataset.from_dict({"input_ids": [ids[1][:-2]]}).save_to_disk(str(prepared / "val"))
+    # 3: dropped
+    (prepared / "regenerated.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     info = bench.Bench.t1_prompts(prepared, target, tmp_path / "prompts-t1.jsonl")
     got = [json.loads(line)["messages"] for line in (tmp_path / "prompts-t1.jsonl").read_text().splitlines()]
     assert got == [convs[0][:1], convs[2][:1]]
@@ -123,5 +126,5 @@ def test_teacher_forced_numbers_of_every_trained_run_are_kept(tmp_path):
     summary("speed-cache-bf16-0", 1.01)
     (tmp_path / "runs" / "dflash").mkdir()  # not finished: no summary
     tf = bench.Bench(tmp_path, "full").teacher_forced()
-    assert tf == {"obj-kl-s1": {"steps": 300, "wall_s": 1380.0, "eal": 1.215, "ddtree_tau": {"16": 1.5, "64": 1.7},
-                                "acc_slot1": 0.2, "alpha_slot1": 0.11}}
+    assert tf == {"obj-kl-s1": {"steps": 300, "wall_s": 1380.0, "eal": 1.215,
+                                "ddtree_tau": {"16": 1.5, "64": 1.7}, "acc_slot1": 0.2, "alpha_slot1": 0.11}}

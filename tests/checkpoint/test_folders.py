@@ -19,7 +19,8 @@ def damaged_drafter(request, fresh_drafter_dir, tmp_path):
     shutil.copytree(fresh_drafter_dir, d)
     weights = d / "model.safetensors"
     data = weights.read_bytes()
-    weights.write_bytes(data[: len(data) // 2] if request.param == "truncated" else b"not a safetensors file" * 10)
+    weights.write_bytes(data[: len(data) // 2] if request.param == "truncated"
+                        else b"not a safetensors file" * 10)
     return d
 
 
@@ -32,8 +33,9 @@ def test_damaged_weights_are_one_line_naming_the_file(damaged_drafter, small_dat
         lambda: eval_main(["--drafter", str(damaged_drafter), "--output", str(tmp_path / "e")]),
         lambda: export_main(["--format", "dflash", "--checkpoint", str(damaged_drafter),
                              "--output", str(tmp_path / "x")]),
-        lambda: train_main([f"output_dir={tmp_path / 'run'}", f"model.init_from={damaged_drafter}", "max_steps=1",
-                            f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}"]),
+        lambda: train_main([f"output_dir={tmp_path / 'run'}", f"model.init_from={damaged_drafter}",
+                            "max_steps=1", f"data.train={small_data / 'train.jsonl'}",
+                            f"data.val={small_data / 'val.jsonl'}"]),
     ]
     for run in commands:
         with pytest.raises(SystemExit) as e:

@@ -39,7 +39,8 @@ def speculators_dflash2(config: dict) -> dict:
                                "num_key_value_heads", "head_dim", "vocab_size", "rms_norm_eps",
                                "max_position_embeddings", "rope_parameters", "attention_bias")}
     return {"speculators_model_type": "dflash2", "architectures": ["DFlash2DraftModel"],
-            "transformer_layer_config": layer, "block_size": d["block_size"], "mask_token_id": d["mask_token_id"],
+            "transformer_layer_config": layer, "block_size": d["block_size"],
+            "mask_token_id": d["mask_token_id"],
             "aux_hidden_state_layer_ids": [k + 1 for k in d["target_layer_ids"]], "sample_from_anchor": False,
             "conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 8, "selector_top_k": 5000,
             "dflash_train": {"num_target_layers": d["num_target_layers"]}}
@@ -81,7 +82,8 @@ def inputs(fresh_drafter_dir, tmp_path_factory):
                                             verify_ms_by_context={"2048": {"1": 0.9, "64": 2.5}}),
         "nan_context_costs": costs_file("nan_context.json", 1.5, context=512,
                                         verify_ms_by_context={"2048": {"1": 2.0, "64": math.nan}}),
-        "no_advice": (d / "no_advice.json").write_text(json.dumps({k: v for k, v in good.items() if k != "advice"}))
+        "no_advice": (d / "no_advice.json").write_text(json.dumps({k: v for k, v in good.items()
+                                                                   if k != "advice"}))
         and d / "no_advice.json",
         "no_suite": (d / "no_suite.json").write_text(json.dumps(no_suite)) and d / "no_suite.json",
     }
@@ -103,7 +105,8 @@ EVAL_CASES = {
                           "row 1: field 'messages.0.role' is missing"),
     "suite_is_a_folder": (lambda i: ["--drafter", i["drafter"], "--suite", i["folder"]], "is a folder"),
     "empty_suite": (lambda i: ["--drafter", i["drafter"], "--suite", i["empty"]], "is empty"),
-    "tinychat_file_without_messages": (lambda i: ["--drafter", i["drafter"], "--suite", f"tinychat={i['no_messages']}"],
+    "tinychat_file_without_messages": (lambda i: ["--drafter", i["drafter"], "--suite",
+                                                  f"tinychat={i['no_messages']}"],
                                        "row 1: field 'messages' is missing"),
     "negative_verify_times": (lambda i: costs_argv(i, "negative_costs"), NOT_BELOW_1US),
     "zero_verify_times": (lambda i: costs_argv(i, "zero_costs"), NOT_BELOW_1US),
@@ -113,14 +116,16 @@ EVAL_CASES = {
     "inf_verify_times": (lambda i: costs_argv(i, "inf_costs"),
                          "field 'verify_ms_by_width.1': Input should be a finite number"),
     "verify_falling_with_width": (lambda i: costs_argv(i, "falling_costs"),
-                                  "verify_ms_by_width: width 64 is measured at 2 ms, more than 33% below width 1 "
-                                  "(10 ms): more work cannot cost that much less"),
+                                  "verify_ms_by_width: width 64 is measured at 2 ms, more "
+                                  "than 33% below width 1 (10 ms): more work cannot cost that much less"),
     "draft_falling_with_batch": (lambda i: costs_argv(i, "falling_batch_costs"),
-                                 "draft_ms_by_batch: batch 16 is measured at 0.5 ms, more than 33% below batch 1"),
+                                 "draft_ms_by_batch: batch 16 is measured at 0.5 ms, more than "
+                                 "33% below batch 1"),
     "context_axis_without_context": (lambda i: costs_argv(i, "context_without_base"),
                                      "verify_ms_by_context needs 'context'"),
     "verify_falling_with_context": (lambda i: costs_argv(i, "falling_context_costs"),
-                                    "width 1: context 2048 is measured at 0.9 ms, more than 33% below context 512"),
+                                    "width 1: context 2048 is measured at 0.9 ms, more than 33% "
+                                    "below context 512"),
     "nan_context_verify_times": (lambda i: costs_argv(i, "nan_context_costs"),
                                  "field 'verify_ms_by_context.2048.64': Input should be a finite number"),
     "huge_budget": (lambda i: ["--drafter", i["drafter"], "--budgets", "4,100000"],
@@ -141,7 +146,8 @@ EXPORT_CASES = {
                               "field 'advice' is missing"),
     "report_result_without_suite": (lambda i: ["--checkpoint", i["drafter"], "--eval-report", i["no_suite"]],
                                     "field 'results.0.suite' is missing"),
-    "unknown_license": (lambda i: ["--checkpoint", i["drafter"], "--license", "my-own"], "is not a Hub license id"),
+    "unknown_license": (lambda i: ["--checkpoint", i["drafter"], "--license", "my-own"],
+                        "is not a Hub license id"),
     "license_breaking_yaml": (lambda i: ["--checkpoint", i["drafter"], "--license", "mit\nbase_model: [x"],
                               "is not a Hub license id"),
 }
@@ -171,8 +177,8 @@ def test_eval_refuses_bad_input_before_the_target(case, inputs, tmp_path):
     args = [*argv(inputs), "--target", tmp_path / "no-target", "--output", out, "--overwrite", "--limit", "1",
             "--max-new-tokens", "4"]
     if case == "unknown_variant":  # one through the real command line (interpreter, entry point)
-        r = subprocess.run([sys.executable, "-m", "dflash_train.cli.eval", *map(str, args)], capture_output=True,
-                           text=True, cwd=ROOT, timeout=300)
+        r = subprocess.run([sys.executable, "-m", "dflash_train.cli.eval", *map(str, args)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
         code, stderr = r.returncode, r.stderr
     else:
         code, _, stderr = run_main(dflash_eval.main, args)
@@ -186,8 +192,8 @@ def test_export_refuses_bad_input_before_the_verifier(case, inputs, tmp_path):
     args = ["--format", "speculators", *argv(inputs), "--verifier", tmp_path / "no-verifier", "--output", out,
             "--overwrite"]
     if case == "unknown_variant":
-        r = subprocess.run([sys.executable, "-m", "dflash_train.cli.export", *map(str, args)], capture_output=True,
-                           text=True, cwd=ROOT, timeout=300)
+        r = subprocess.run([sys.executable, "-m", "dflash_train.cli.export", *map(str, args)],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
         code, stderr = r.returncode, r.stderr
     else:
         code, _, stderr = run_main(export.main, args)
@@ -212,12 +218,15 @@ def test_plain_decoding_only_end_to_end(fresh_drafter_dir, tmp_path, monkeypatch
     monkeypatch.setattr(dflash_eval, "measure_costs", functools.partial(costs.measure_costs, widths=[1, 2, 8],
                                                                         rounds=2))
     out = tmp_path / "eval"
-    code, stdout, stderr = run_main(dflash_eval.main, ["--drafter", fresh_drafter_dir, "--budgets", "0", "--limit", "1",
-                                                       "--max-new-tokens", "4", "--concurrency", "1", "--output", out])
+    code, stdout, stderr = run_main(dflash_eval.main,
+                                    ["--drafter", fresh_drafter_dir, "--budgets", "0", "--limit", "1",
+                                                       "--max-new-tokens", "4", "--concurrency", "1",
+                                     "--output", out])
     assert code == 0, stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     assert report["budgets"] == [] and {r["method"] for r in report["results"]} == {"ar", "dflash"}
-    assert {p.name for p in out.glob("*.png")} == {"tau_vs_budget.png", "accept_hist.png", "speedup_vs_budget.png",
+    assert {p.name for p in out.glob("*.png")} == {"tau_vs_budget.png", "accept_hist.png",
+                                                   "speedup_vs_budget.png",
                                                     "verify_cost.png"}
     assert "## tinychat (1 prompt)" in (out / "report.md").read_text()
     card_dir = tmp_path / "export"
@@ -243,7 +252,8 @@ def test_local_verifier_is_hashed_once_per_size_and_mtime(tmp_path, monkeypatch)
     assert len(calls) == 1 and first == second and first["kind"] == "content_sha256"
     weights = verifier / "model.safetensors"
     st = weights.stat()
-    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))  # touched: hashed again, same digest
+    # touched: hashed again, same digest
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert target_mod.resolve_pin(str(verifier), None) == first and len(calls) == 2
     weights.write_bytes(weights.read_bytes()[:-1] + b"\0")  # rewritten: a new digest
     assert target_mod.resolve_pin(str(verifier), None)["sha256"] != first["sha256"] and len(calls) == 3
@@ -259,7 +269,8 @@ def test_every_drafter_format_is_checked(fresh_drafter_dir, tmp_path):
     cfg = load_drafter(fresh_drafter_dir)[0].config
     dspark = dataclasses.replace(cfg, variant="dspark", markov_rank=8, confidence_head=True,
                                  confidence_head_with_markov=True)
-    spec = lambda c: json.loads(speculators_config(c, "v", ["Qwen3ForCausalLM"], {}, None).to_json_string())  # noqa
+    spec = lambda c: json.loads(speculators_config(c, "v", ["Qwen3ForCausalLM"], {},  # noqa
+                                                   None).to_json_string())
     cases = [
         (native_config(cfg, {}, None), lambda c: c["dflash_config"].update(mask_token_id=10**6),
          "mask_token_id 1000000 is not a row of the 1024-token vocabulary"),
@@ -278,7 +289,8 @@ def test_every_drafter_format_is_checked(fresh_drafter_dir, tmp_path):
         read_config(folder)  # as written: accepted
         edit(config)
         (folder / "config.json").write_text(json.dumps(config))
-        with pytest.raises(UserError, match=f"config '{folder / 'config.json'}'.*{message.replace('(', '.')}"):
+        with pytest.raises(UserError, match=f"config "
+                                            f"'{folder / 'config.json'}'.*{message.replace('(', '.')}"):
             read_config(folder)
 
 

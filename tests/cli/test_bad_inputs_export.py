@@ -16,8 +16,9 @@ def test_card_notes_past_the_bound_are_one_line_before_anything_loads(notes, tmp
         notes = tmp_path / "big.md"
         notes.write_text("x" * (NOTES_MAX + 1))
     code, _, stderr = run_main(main, [*NO_CHECKPOINT, "--card-notes", notes, "--output", tmp_path / "o"])
-    assert code == 2 and error_line(stderr) == (f"error: --card-notes '{notes}' is larger than 64 KiB: a model "
-                                                "card's notes are a few paragraphs; shorten the file")
+    assert code == 2 and error_line(stderr) == (f"error: --card-notes '{notes}' is larger "
+                                                "than 64 KiB: a model card's notes are a few "
+                                                "paragraphs; shorten the file")
     assert not (tmp_path / "o").exists()
 
 
@@ -25,8 +26,8 @@ def test_card_notes_at_the_bound_reach_the_card(fresh_drafter_dir, tmp_path):
     notes = tmp_path / "notes.md"
     text = "Trained on\r\nsmall data.\n"
     notes.write_bytes((text + "y" * (NOTES_MAX - len(text))).encode())
-    code, _, stderr = run_main(main, ["--format", "dflash", "--checkpoint", fresh_drafter_dir, "--card-notes", notes,
-                                      "--output", tmp_path / "o"])
+    code, _, stderr = run_main(main, ["--format", "dflash", "--checkpoint", fresh_drafter_dir, "--card-notes",
+                                      notes, "--output", tmp_path / "o"])
     assert code == 0, stderr[-3000:]
     card = (tmp_path / "o" / "README.md").read_text()
     assert "Trained on\nsmall data.\n" + "y" * 100 in card

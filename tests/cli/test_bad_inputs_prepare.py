@@ -54,7 +54,8 @@ def test_a_work_folder_we_did_not_write_is_refused_and_kept(tmp_path, capsys):
     (work / "notes.txt").write_text("my notes")
     src = rows(tmp_path / "in.jsonl")
     line = refused(capsys, argv(src, out))
-    assert f"the regeneration work folder '{work}' is not empty and was not written by" in line and MARKER in line
+    assert (f"the regeneration work folder '{work}' is not empty and was not written by" in line
+            and MARKER in line)
     assert (work / "notes.txt").read_text() == "my notes" and not out.exists()
     # an output folder of another kind there is no work folder either
     (work / "notes.txt").unlink()
@@ -88,8 +89,8 @@ def test_without_regenerate_the_work_path_is_not_touched(tmp_path):
     out, work = tmp_path / "out", tmp_path / "out.work"
     work.mkdir()
     (work / "notes.txt").write_text("my notes")
-    prepare.main(["--input", str(rows(tmp_path / "in.jsonl")), "--format", "messages", "--target", str(TINY_TARGET),
-                  "--output", str(out), "--min-supervised-tokens", "1"])
+    prepare.main(["--input", str(rows(tmp_path / "in.jsonl")), "--format", "messages", "--target",
+                  str(TINY_TARGET), "--output", str(out), "--min-supervised-tokens", "1"])
     assert (out / "prepare_info.json").is_file() and (work / "notes.txt").read_text() == "my notes"
 
 
@@ -200,7 +201,8 @@ def test_a_line_cut_by_an_interruption_is_answered_again(tmp_path, capsys, monke
     (["--seed", "-1"], "--seed must be from 0 to 2**32 - 1"),
     (["--seed", str(2**64)], "--seed must be from 0 to 2**32 - 1"),
     (["--max-length", "16", "--min-supervised-tokens", "17"], "every conversation would be dropped"),
-    (["--backend", "vllm", "--target-dtype", "fp32"], "--target-dtype applies to the transformers and static"),
+    (["--backend", "vllm", "--target-dtype", "fp32"],
+     "--target-dtype applies to the transformers and static"),
     (["--batch-size", "5000"], "--batch-size must be at most 4096 (conversations generated together), got "
                                "5000"),
     (["--max-length", "513"], f"--max-length 513 is past the 512 positions of target '{TINY_TARGET}' (its "
@@ -225,7 +227,8 @@ def test_default_lengths_are_lowered_to_the_targets_positions(tmp_path):
 
 
 def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(tmp_path, capsys, monkeypatch):
-    src, out, work = damaged_work(tmp_path, monkeypatch, lambda w: None)  # interrupted, in fp32 (auto on a CPU)
+    # interrupted, in fp32 (auto on a CPU)
+    src, out, work = damaged_work(tmp_path, monkeypatch, lambda w: None)
     assert json.loads((work / regen.SETTINGS_FILE).read_text())["target_dtype"] == "fp32"
     capsys.readouterr()
     monkeypatch.undo()
@@ -246,7 +249,8 @@ def test_output_dot_in_an_empty_folder_is_written_there(tmp_path, monkeypatch):
     monkeypatch.chdir(here)
     prepare.main(argv(src, ".") + ["--val-size", "1"])
     assert json.loads((here / "prepare_info.json").read_text())["splits"] == {"train": 3, "val": 1}
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "in.jsonl"]  # no work folder or sibling left
+    # no work folder or sibling left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "in.jsonl"]
 
 
 def test_a_data_folder_as_target_is_named_in_one_line(tmp_path, capsys):

@@ -27,14 +27,15 @@ TAPS = [4]  # the default tap of a 1-layer drafter on the 8-layer tiny target
 
 def quick(out, small_data, *extra) -> list[str]:
     """A run of a few seconds on the small data (as in test_trainer.py)."""
-    return [f"output_dir={out}", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-            "max_steps=2", "train.batch_size=4", "data.num_anchors=4", "eval.max_samples=4", "model.num_layers=1",
-            *extra]
+    return [f"output_dir={out}", f"data.train={small_data / 'train.jsonl'}",
+            f"data.val={small_data / 'val.jsonl'}", "max_steps=2", "train.batch_size=4", "data.num_anchors=4",
+            "eval.max_samples=4", "model.num_layers=1", *extra]
 
 
 def snapshot(folder: Path) -> dict:
     """Every file and folder under `folder`, with the files' bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in sorted(folder.rglob("*"))}
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None
+            for p in sorted(folder.rglob("*"))}
 
 
 @pytest.fixture(scope="module")
@@ -143,12 +144,14 @@ def infinite_weight(tmp, small_data, cache, finished):
 
 
 def markov_rank(tmp, small_data, cache, finished):
-    return train_main, quick(tmp / "new", small_data, "model.variant=dspark", "model.markov_rank=1000000000"), \
+    return train_main, quick(tmp / "new", small_data, "model.variant=dspark",
+                             "model.markov_rank=1000000000"), \
         "model.markov_rank 1000000000 exceeds the target's vocabulary"
 
 
 def selector_rank(tmp, small_data, cache, finished):
-    return train_main, quick(tmp / "new", small_data, "model.variant=dflash2", "model.selector_rank=1000000000"), \
+    return train_main, quick(tmp / "new", small_data, "model.variant=dflash2",
+                             "model.selector_rank=1000000000"), \
         "model.selector_rank 1000000000 exceeds the target's vocabulary"
 
 
@@ -176,7 +179,8 @@ def cache_device(tmp, small_data, cache, finished):
 
 def cache_taps(tmp, small_data, cache, finished):
     return hs_cli.main, ["--data", str(small_data / "val.jsonl"), "--target", str(TINY_TARGET),
-                     "--output", str(tmp / "c"), "--target-layer-ids", "1,99"], "--target-layer-ids [99] out of range"
+                     "--output", str(tmp / "c"), "--target-layer-ids",
+                         "1,99"], "--target-layer-ids [99] out of range"
 
 
 CASES = [deleted_shard_overwrite, deleted_shard_new_run, truncated_shard, corrupted_shard, truncated_manifest,
@@ -186,7 +190,8 @@ CASES = [deleted_shard_overwrite, deleted_shard_new_run, truncated_shard, corrup
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda f: f.__name__)
-def test_bad_input_is_one_line_exit_2_and_nothing_is_touched(case, tmp_path, small_data, cache, finished, capsys):
+def test_bad_input_is_one_line_exit_2_and_nothing_is_touched(case, tmp_path, small_data, cache, finished,
+                                                             capsys):
     entry, argv, words = case(tmp_path, small_data, cache, finished)
     before = snapshot(tmp_path)
     capsys.readouterr()
@@ -202,8 +207,8 @@ def test_the_data_loss_command_line(tmp_path, small_data, cache, finished):
     """The user's command, as a real process: the finished run keeps final/, checkpoints/ and summary.json."""
     _, argv, words = deleted_shard_overwrite(tmp_path, small_data, cache, finished)
     before = snapshot(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "dflash_train.train", *argv], cwd=ROOT, capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)})
+    r = subprocess.run([sys.executable, "-m", "dflash_train.train", *argv], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(PACKAGE_ROOT)})
     assert r.returncode == 2 and words in error_line(r.stderr)
     assert r.stderr.strip().splitlines()[-1].startswith("error: ")
     assert snapshot(tmp_path) == before
@@ -218,8 +223,9 @@ def test_a_non_finite_loss_stops_at_its_step_and_keeps_the_last_good_checkpoint(
         train_main(quick(out, small_data, "max_steps=3", "checkpoint_every=1", "train.lr=1e30"))
     assert e.value.code == 2
     line = error_line(capsys.readouterr().err)
-    assert line.startswith("error: step 2: the loss is nan: training stopped and nothing of this step is saved; its "
-                           f"newest checkpoint {out / 'checkpoints' / 'step_000001'} is kept"), line
+    assert line.startswith("error: step 2: the loss is nan: training stopped and nothing of this "
+                           f"step is saved; its newest checkpoint "
+                           f"{out / 'checkpoints' / 'step_000001'} is kept"), line
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000001"]
     assert not (out / "final").exists() and not (out / "summary.json").exists()
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [1]

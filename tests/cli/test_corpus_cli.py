@@ -12,5 +12,5 @@ def test_the_old_data_corpus_spelling_names_the_new_one():
     done = subprocess.run([sys.executable, "-m", "dflash_train.data.corpus", "--conversations", "3000"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 2
-    assert done.stderr == ("error: the corpus builder's command line is now python -m dflash_train.cli.corpus "
-                           "(same flags)\n")
+    assert done.stderr == ("error: the corpus builder's command line is now python -m "
+                           "dflash_train.cli.corpus (same flags)\n")

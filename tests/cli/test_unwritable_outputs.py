@@ -12,7 +12,8 @@ TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
 COMMANDS = {
     "prepare": (prepare.main, ["--input", TINY_DATA, "--format", "messages", "--target", TINY_TARGET]),
     "cache": (cache.main, ["--data", TINY_DATA, "--target", TINY_TARGET]),
-    "export": (export.main, ["--format", "speculators", "--checkpoint", "no-checkpoint", "--verifier", "no-verifier"]),
+    "export": (export.main, ["--format", "speculators", "--checkpoint", "no-checkpoint", "--verifier",
+                             "no-verifier"]),
     "eval": (dflash_eval.main, ["--drafter", "no-drafter", "--target", "no-target"]),
 }
 
@@ -23,7 +24,8 @@ def test_an_unwritable_output_is_one_line(command, where):
     main, argv = COMMANDS[command]
     code, _, stderr = run_main(main, [*argv, "--output", where])
     line = error_line(stderr)
-    assert code == 2 and f"--output '{where}' cannot be written: no folder can be made in '/proc'" in line, line
+    assert (code == 2 and f"--output '{where}' cannot be written: no folder can be made in "
+                          f"'/proc'" in line), line
 
 
 def test_an_unwritable_output_dir_is_one_line_for_training():
@@ -31,7 +33,8 @@ def test_an_unwritable_output_dir_is_one_line_for_training():
 
     code, _, stderr = run_main(train_main, ["output_dir=/proc/x", f"data.train={TINY_DATA}", "max_steps=1"])
     line = error_line(stderr)
-    assert code == 2 and "output_dir '/proc/x' cannot be written: no folder can be made in '/proc'" in line, line
+    assert (code == 2 and "output_dir '/proc/x' cannot be written: no folder can be made in "
+                          "'/proc'" in line), line
 
 
 # --- a lock file in the way (issue 42) ---------------------------------------------------------------
@@ -49,7 +52,8 @@ def in_the_way(tmp_path, what: str):
 
 
 @pytest.mark.parametrize("what, message", [("folder", "is a folder"),
-                                           ("link", "is a symbolic link, which dflash-train does not follow")])
+                                           ("link", "is a symbolic link, which "
+                                                    "dflash-train does not follow")])
 @pytest.mark.parametrize("command", ["eval", "cache", "train"])
 def test_a_lock_file_in_the_way_is_one_line_and_touched_not(command, what, message, tmp_path):
     """A folder was a traceback; a link to a user's file was truncated and given our pid."""
@@ -58,7 +62,8 @@ def test_a_lock_file_in_the_way_is_one_line_and_touched_not(command, what, messa
     if command == "train":
         from dflash_train.cli.train import main as train_main
 
-        code, _, stderr = run_main(train_main, [f"output_dir={out}", f"data.train={TINY_DATA}", "max_steps=1"])
+        code, _, stderr = run_main(train_main,
+                                   [f"output_dir={out}", f"data.train={TINY_DATA}", "max_steps=1"])
         flag = "output_dir"
     else:
         main, argv = COMMANDS[command]

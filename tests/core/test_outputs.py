@@ -72,7 +72,8 @@ def test_a_failed_write_leaves_the_old_output_intact(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "old.txt"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary folder left
     write_atomically(out, lambda d: (d / "new.txt").write_text("new"), "export")
-    assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "new.txt"]) and marker_kind(out) == "export"
+    assert (sorted(p.name for p in out.iterdir()) == sorted([MARKER, "new.txt"])
+            and marker_kind(out) == "export")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -140,7 +141,8 @@ def test_an_output_on_an_input_is_refused(name, fresh_drafter_dir, small_data, c
     inp = fresh_drafter_dir if name in ("eval", "export") else small_data / "val.jsonl"
     out = inp if name in ("eval", "export") else small_data
     before = snapshot(out)
-    line = exits_2(lambda: cli(name)(argv(name, out, fresh_drafter_dir, small_data / "val.jsonl") + ["--overwrite"]),
+    line = exits_2(lambda: cli(name)(argv(name, out, fresh_drafter_dir, small_data / "val.jsonl")
+                                     + ["--overwrite"]),
                    capsys)
     assert f"--output '{out}' {'is' if out == inp else 'holds'} the --" in line
     assert snapshot(out) == before
@@ -159,11 +161,13 @@ def test_a_bad_output_is_refused_before_any_work(name, fresh_drafter_dir, small_
                          (run, "holds a training run, not")]:
         line = exits_2(lambda: cli(name)(argv(name, out, fresh_drafter_dir, data) + ["--overwrite"]), capsys)
         assert message in line
-    assert file.read_text() == "x" and (foreign / "precious").read_text() == "mine" and marker_kind(run) == "train"
+    assert (file.read_text() == "x" and (foreign / "precious").read_text() == "mine"
+            and marker_kind(run) == "train")
 
 
 @pytest.mark.parametrize("name", CLIS)
-def test_overwrite_with_a_bad_input_leaves_the_old_output(name, fresh_drafter_dir, small_data, tmp_path, capsys):
+def test_overwrite_with_a_bad_input_leaves_the_old_output(name, fresh_drafter_dir, small_data, tmp_path,
+                                                          capsys):
     out = made(tmp_path, name)
     before = snapshot(out)
     missing = tmp_path / "missing"
@@ -180,7 +184,8 @@ def snapshot(folder: Path) -> dict:
 def test_an_unwritable_output_is_one_line_before_any_work(where, tmp_path):
     """Every command's --output goes through require_free_output: /proc and /sys take no new
     folder (for root too), so the line comes before the work, not as a traceback after it."""
-    with pytest.raises(UserError, match=rf"--output '{where}' cannot be written: no folder can be made in '/"):
+    with pytest.raises(UserError, match=rf"--output '{where}' cannot be written: no folder "
+                                        rf"can be made in '/"):
         require_free_output(Path(where), False, "eval", [])
     require_free_output(tmp_path / "x" / "y", False, "eval", [])  # writable: the probe leaves nothing behind
     assert list(tmp_path.iterdir()) == []
@@ -200,8 +205,10 @@ def test_output_dot_is_written_into_the_current_folder_and_replaced_in_place(tmp
         require_free_output(Path("."), False, "eval", [])
     require_free_output(Path("."), True, "eval", [])
     write_atomically(Path("."), lambda d: (d / "b.txt").write_text("second"), "eval")
-    assert sorted(p.name for p in here.iterdir()) == [MARKER, "b.txt"] and (here / "b.txt").read_text() == "second"
-    assert here.stat().st_ino == inode and Path.cwd() == here and sorted(p.name for p in tmp_path.iterdir()) == ["here"]
+    assert (sorted(p.name for p in here.iterdir()) == [MARKER, "b.txt"]
+            and (here / "b.txt").read_text() == "second")
+    assert (here.stat().st_ino == inode and Path.cwd() == here
+            and sorted(p.name for p in tmp_path.iterdir()) == ["here"])
 
 
 def test_an_output_holding_the_current_folder_is_not_replaced(tmp_path, monkeypatch):
@@ -221,7 +228,8 @@ def test_a_folder_that_is_no_target_model_is_named_as_such(tmp_path):
     loader's line, cut mid-sentence ("Couldn't instantiate the backend tokenizer from one of: ")."""
     data = ROOT / "data" / "tiny"
     for what in ("target", "model.target", "verifier"):
-        with pytest.raises(UserError, match=rf"{what} '{data}' is not a model folder: it has no config.json and no"):
+        with pytest.raises(UserError, match=rf"{what} '{data}' is not a model folder: it has no "
+                                            rf"config.json and no"):
             model_source(str(data), what)
     drafter = made(tmp_path, "drafter")
     (drafter / "config.json").write_text("{}")

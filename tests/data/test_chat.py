@@ -24,8 +24,8 @@ TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
 # adds an empty think block to the generation prompt.
 QWEN3_TEMPLATE = (
     "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{%- for m in messages %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}{%- "
+    "endif %}{%- endfor %}{%- for m in messages %}"
     "{%- if m.role == 'user' or m.role == 'system' %}"
     "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
     "{%- elif m.role == 'assistant' %}"
@@ -35,14 +35,14 @@ QWEN3_TEMPLATE = (
     "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
     "{%- endif %}"
     "{%- if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
-    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
-    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + "
+    "content.lstrip('\\n') }}{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- "
+    "'<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
 # Written after Llama 3.1's: BOS, a system block that always carries the dates, trimmed contents.
 LLAMA3_TEMPLATE = (
@@ -74,7 +74,8 @@ def qwen3_tok():
 @pytest.fixture(scope="module")
 def llama3_tok():
     tok = AutoTokenizer.from_pretrained(TINY_TARGET)
-    tok.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], special_tokens=True)
+    tok.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                   special_tokens=True)
     tok.chat_template = LLAMA3_TEMPLATE
     return tok
 
@@ -128,7 +129,8 @@ def test_enable_thinking_reaches_the_template(qwen3_tok):
     history = [{"role": "user", "content": "Hi"}]
     off = qwen3_tok.decode(_prompt_ids(qwen3_tok, history, enable_thinking=False))
     on = qwen3_tok.decode(_prompt_ids(qwen3_tok, history, enable_thinking=True))
-    assert off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n") and on.endswith("<|im_start|>assistant\n")
+    assert (off.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+            and on.endswith("<|im_start|>assistant\n"))
 
 
 def test_unlocatable_and_straddling_replies_are_dropped(qwen3_tok):
@@ -146,7 +148,8 @@ def test_unlocatable_and_straddling_replies_are_dropped(qwen3_tok):
 
 
 def test_formats_normalise_to_openai_messages():
-    want = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+    want = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"}]
     fields = {f: Fields(*prepare.FORMATS[f], prepare.ROLE_NAMES) for f in prepare.FORMATS}
     share = {"conversations": [{"from": "system", "value": "S"}, {"from": "human", "value": "U"},
                                {"from": "gpt", "value": "A"}]}
@@ -156,7 +159,8 @@ def test_formats_normalise_to_openai_messages():
     assert normalize({"data": ["U", "A", "U2"]}, "ultrachat", fields["ultrachat"]) == want[1:] + [
         {"role": "user", "content": "U2"}]
     assert normalize({"messages": want, "reasoning": "off"}, "nemotron", fields["nemotron"]) == want
-    old = {"input": [{"role": "user", "content": "U"}], "output": "A", "system_prompt": "S", "reasoning": "off"}
+    old = {"input": [{"role": "user", "content": "U"}], "output": "A", "system_prompt": "S",
+           "reasoning": "off"}
     assert normalize(old, "nemotron", fields["nemotron"]) == want
     assert normalize({"input": "U", "output": "A"}, "nemotron", fields["nemotron"]) == want[1:]
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "U"}]}]}
@@ -184,21 +188,25 @@ def test_prepare_writes_splits_info_and_trains(tmp_path, tiny_target):
     no_answer = {"messages": [{"role": "user", "content": "no answer"}]}
     src = write_jsonl(tmp_path / "in.jsonl", tiny_rows(40) + ["{not json", no_answer])
     out = tmp_path / "prep"
-    args = ["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--min-supervised-tokens", "12"]
+    args = ["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET),
+            "--min-supervised-tokens", "12"]
     prepare_cli.main(args + ["--output", str(out), "--val-size", "8", "--shuffle", "--seed", "3"])
     info = json.loads((out / "prepare_info.json").read_text())
     c = info["counts"]
     assert c["read"] == 42 and c["malformed"] == 1 and c["dropped"]["no_assistant_turn"] == 1
     assert c["kept"] + sum(c["dropped"].values()) + c["malformed"] == c["read"]
-    assert info["splits"] == {"train": c["kept"] - 8, "val": 8} and info["malformed_examples"][0].startswith("row 41:")
-    assert info["template"] == {"sha256": prepare.template_sha256(tiny_target.tokenizer), "end_of_turn": "<|im_end|>"}
+    assert (info["splits"] == {"train": c["kept"] - 8,
+                               "val": 8} and info["malformed_examples"][0].startswith("row 41:"))
+    assert (info["template"] == {"sha256": prepare.template_sha256(tiny_target.tokenizer),
+                                 "end_of_turn": "<|im_end|>"})
     assert info["enable_thinking"] is False and info["target"]["name_or_path"] == str(TINY_TARGET)
     train, val = load_from_disk(str(out / "train")), load_from_disk(str(out / "val"))
     assert train.column_names == ["input_ids", "loss_mask"] and len(train) + len(val) == c["kept"]
     assert all(sum(m) >= 12 for m in train["loss_mask"])
 
     # Deterministic: the same seed gives the same rows; without --shuffle and split, input order.
-    prepare_cli.main(args + ["--output", str(tmp_path / "again"), "--val-size", "8", "--shuffle", "--seed", "3"])
+    prepare_cli.main(args + ["--output", str(tmp_path / "again"), "--val-size", "8", "--shuffle", "--seed",
+                             "3"])
     assert load_from_disk(str(tmp_path / "again" / "val"))["input_ids"] == val["input_ids"]
     prepare_cli.main(args + ["--output", str(tmp_path / "plain"), "--max-length", "40"])
     plain = load_from_disk(str(tmp_path / "plain"))
@@ -221,7 +229,8 @@ def test_prepare_writes_splits_info_and_trains(tmp_path, tiny_target):
 def test_prepared_folder_for_another_template_is_refused(tmp_path, qwen3_tok):
     out = tmp_path / "prep"
     src = write_jsonl(tmp_path / "in.jsonl", tiny_rows(6))
-    prepare_cli.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output", str(out),
+    prepare_cli.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output",
+                      str(out),
                   "--min-supervised-tokens", "2"])
     with pytest.raises(UserError, match="another chat template"):
         load_conversations(str(out), qwen3_tok, 256)
@@ -233,8 +242,8 @@ def test_prepared_folder_for_another_tokenizer_or_a_damaged_info_is_refused(tmp_
     """The same template over other ids is refused; a cut or edited prepare_info.json is one line."""
     out = tmp_path / "prep"
     src = write_jsonl(tmp_path / "in.jsonl", tiny_rows(6))
-    prepare_cli.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output", str(out),
-                      "--min-supervised-tokens", "2"])
+    prepare_cli.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output",
+                      str(out), "--min-supervised-tokens", "2"])
     load_conversations(str(out), tiny_target.tokenizer, 256)  # its own tokenizer reads it
     info = out / "prepare_info.json"
     good = json.loads(info.read_text())
@@ -248,8 +257,8 @@ def test_prepared_folder_for_another_tokenizer_or_a_damaged_info_is_refused(tmp_
 
 
 def run_cli(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli.prepare", *map(str, args)], capture_output=True,
-                          text=True, cwd=cwd, timeout=120)
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli.prepare", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=120)
 
 
 def no_template_target(tmp_path) -> Path:
@@ -264,7 +273,8 @@ BAD_INPUTS = {  # case -> (how to make the input, expected error fragment)
     "empty": (lambda d: write_jsonl(d / "e.jsonl", []), "is empty"),
     "not_json": (lambda d: write_jsonl(d / "t.jsonl", ["hello", "world"]), "is not JSON lines"),
     "binary": (lambda d: (d / "b.jsonl").write_bytes(bytes(range(256)) * 4) and d / "b.jsonl", "binary"),
-    "no_assistant": (lambda d: write_jsonl(d / "q.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}] * 3),
+    "no_assistant": (lambda d: write_jsonl(d / "q.jsonl",
+                                           [{"messages": [{"role": "user", "content": "hi"}]}] * 3),
                      "no usable conversation"),
     "hub_offline": (lambda d: "someone/not-a-dataset", "cannot load dataset 'someone/not-a-dataset'"),
 }

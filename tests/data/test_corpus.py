@@ -23,7 +23,8 @@ def fake_work(work):
                                                {"role": "assistant", "content": "Hello."}], "tokens": 3},
             {"i": 2, "key": "k2", "dropped": "empty_generation", "tokens": 0},
             {"i": 1, "key": "k1", "messages": [{"role": "user", "content": "2+2?"},
-                                               {"role": "assistant", "content": "4", "truncated": True}], "tokens": 1},
+                                               {"role": "assistant", "content": "4", "truncated": True}],
+             "tokens": 1},
             {"i": 4, "key": "k4", "messages": [{"role": "user", "content": "later"},
                                                {"role": "assistant", "content": "x"}], "tokens": 1}]
     work.mkdir(parents=True)
@@ -103,7 +104,8 @@ def test_a_damaged_gzip_input_is_one_line(tmp_path):
 
 # --- the builder itself on the tiny target (issue 42) ---------------------------------------------
 QUESTIONS = ["Hi", "What is 2+2?", "Name a colour.", "Say yes.", "Count to three.", "Who are you?"]
-SMALL = ["--conversations", "4", "--chunk", "2", "--slots", "2", "--max-new-tokens", "4", "--max-prompt-tokens", "64"]
+SMALL = ["--conversations", "4", "--chunk", "2", "--slots", "2", "--max-new-tokens", "4",
+         "--max-prompt-tokens", "64"]
 
 
 def fake_real(folder):
@@ -142,14 +144,16 @@ def test_a_rerun_with_nothing_to_do_writes_nothing(built, tmp_path, work):
     carries a timestamp) and info.json (speed, engine) were rewritten with this run's, wrongly."""
     out = clone(built, tmp_path, work)
     before = files(out)
-    code, stdout, err = run_main(corpus_cli.main, ["--real", built[0], "--output", out, *SMALL, "--slots", "3"])
+    code, stdout, err = run_main(corpus_cli.main,
+                                 ["--real", built[0], "--output", out, *SMALL, "--slots", "3"])
     assert code == 0 and "nothing to do, nothing written" in stdout, err[-2000:]
     assert files(out) == before
 
 
 def test_growing_appends_and_records_the_run(built, tmp_path):
     out = clone(built, tmp_path)
-    code, _, err = run_main(corpus_cli.main, ["--real", built[0], "--output", out, *SMALL, "--conversations", "6"])
+    code, _, err = run_main(corpus_cli.main,
+                            ["--real", built[0], "--output", out, *SMALL, "--conversations", "6"])
     assert code == 0, err[-2000:]
     info = json.loads((out / corpus.INFO).read_text())
     rows = [json.loads(line) for line in gzip.open(out / corpus.CONVERSATIONS, "rt")]
@@ -162,8 +166,8 @@ def test_growing_appends_and_records_the_run(built, tmp_path):
     (["--max-new-tokens", "5", "--max-prompt-tokens", "60"],
      "was built with --max-new-tokens 4 --max-prompt-tokens 64 (this run: --max-new-tokens 5 "
      "--max-prompt-tokens 60)"),
-    (["--conversations", "3"], "already holds 4 answered prompts and is never cut: --conversations 3 asks for "
-                               "fewer; ask for 4 or more to grow it"),
+    (["--conversations", "3"], "already holds 4 answered prompts and is never cut: "
+                               "--conversations 3 asks for fewer; ask for 4 or more to grow it"),
 ])
 def test_other_flags_or_fewer_conversations_name_what_to_type(built, tmp_path, extra, says):
     """'other settings (batch_size: 128 != 96)' named no flag (it is --chunk), and asking for fewer
@@ -175,8 +179,8 @@ def test_other_flags_or_fewer_conversations_name_what_to_type(built, tmp_path, e
     assert files(out) == before
 
 
-@pytest.mark.parametrize("damage", ["gzip_cut", "not_gzip", "row_not_an_object", "info_cut", "info_no_generation",
-                                    "dropped_rows_a_list", "gzip_missing"])
+@pytest.mark.parametrize("damage", ["gzip_cut", "not_gzip", "row_not_an_object", "info_cut",
+                                    "info_no_generation", "dropped_rows_a_list", "gzip_missing"])
 def test_a_damaged_corpus_on_a_fresh_clone_is_one_line(built, tmp_path, damage):
     out = clone(built, tmp_path)
     gz, info = out / corpus.CONVERSATIONS, out / corpus.INFO

@@ -49,7 +49,8 @@ def test_anchors_are_sampled_among_assistant_tokens():
 
 
 def test_collate_pads_right():
-    b = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}], pad_id=0)
+    b = collate([{"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}, {"input_ids": [8], "loss_mask": [1]}],
+                pad_id=0)
     assert b.input_ids.tolist() == [[5, 6, 7], [8, 0, 0]]
     assert b.attention_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert b.loss_mask.tolist() == [[False, True, True], [True, False, False]]

@@ -71,9 +71,9 @@ def test_an_answer_that_reaches_the_cache_end_is_cut_not_overrun(tiny_target):
 
 
 def test_an_unsupported_architecture_is_one_line(tiny_target):
-    biased = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                          attention_bias=True))
+    biased = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                          head_dim=16, attention_bias=True))
     target = replace(tiny_target, model=biased)
     with pytest.raises(UserError, match="--backend static: .*without biases"):
         static_generate(target, [0], GREEDY, slots=2, max_len=16)
@@ -86,7 +86,8 @@ def test_dflash_prepare_backend_static_writes_what_transformers_writes(tmp_path)
     from dflash_train.cli import prepare
 
     src = tmp_path / "in.jsonl"
-    src.write_text("".join((ROOT / "data" / "tiny" / "train.jsonl").read_text().splitlines(keepends=True)[:6]))
+    src.write_text("".join((ROOT / "data" / "tiny"
+                            / "train.jsonl").read_text().splitlines(keepends=True)[:6]))
     outs = {}
     for backend in ("transformers", "static"):
         outs[backend] = tmp_path / backend
@@ -95,4 +96,5 @@ def test_dflash_prepare_backend_static_writes_what_transformers_writes(tmp_path)
                       "--batch-size", "3", "--min-supervised-tokens", "2", "--keep-truncated"])
     texts = {b: (o / "regenerated.jsonl").read_text() for b, o in outs.items()}
     assert texts["static"] == texts["transformers"] and texts["static"]
-    assert json.loads((outs["static"] / "prepare_info.json").read_text())["regeneration"]["backend"] == "static"
+    assert (json.loads((outs["static"]
+                        / "prepare_info.json").read_text())["regeneration"]["backend"] == "static")

@@ -62,7 +62,8 @@ def test_appended_data_keeps_the_old_rows_first_and_the_old_val(grown, tiny_targ
     assert info["appended_to"]["already_there"] == len(old_train) + len(old_val)
     assert info["splits"] == {"train": len(new_train), "val": len(old_val)}
     assert info["tokens"]["total"] == sum(len(r[0]) for r in new_train + old_val)
-    assert load_conversations(str(big / "train"), tiny_target.tokenizer, 128)["input_ids"] == [r[0] for r in new_train]
+    assert (load_conversations(str(big / "train"), tiny_target.tokenizer, 128)["input_ids"]
+            == [r[0] for r in new_train])
 
 
 @pytest.mark.parametrize("case, extra, expected", [
@@ -135,7 +136,8 @@ def test_an_output_that_records_no_key_is_refused(grown, tmp_path, drop, expecte
     del (info if drop == "tokenizer" else info["target"])[drop]
     (old / "prepare_info.json").write_text(json.dumps(info))
     args = ["--input", corpus(tmp_path / "c.jsonl", 50), "--format", "messages", "--target", TINY_TARGET,
-            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / "out", "--append-to", old]
+            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / "out",
+            "--append-to", old]
     code, _, err = run_main(prepare_cli.main, args)
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(errors) == 1 and expected in errors[0], err[-2000:]
@@ -154,10 +156,12 @@ def test_a_damaged_prepare_info_is_one_line(grown, tmp_path, damage):
                       "template_null": json.dumps(info | {"template": None}).encode()}[damage])
     before = tree(old)
     args = ["--input", corpus(tmp_path / "c.jsonl", 50), "--format", "messages", "--target", TINY_TARGET,
-            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / "out", "--append-to", old]
+            "--min-supervised-tokens", "8", "--max-length", "128", "--output", tmp_path / "out",
+            "--append-to", old]
     code, _, err = run_main(prepare_cli.main, args)
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert code == 2 and len(errors) == 1 and f"--append-to '{old}': its prepare_info.json is damaged" in errors[0]
+    assert (code == 2 and len(errors) == 1 and f"--append-to '{old}': its prepare_info.json is "
+                                               f"damaged" in errors[0])
     assert not (tmp_path / "out").exists() and tree(old) == before
 
 

@@ -52,7 +52,8 @@ def test_manifest_and_stored_states(caches, tiny_target, ds):
     torch.testing.assert_close(c_last, last, rtol=1e-5, atol=1e-5)
     # bf16 and fp8 are close to it (e4m3 keeps 3 mantissa bits: relative error <= 1/16 per element)
     for dtype, tol in [("bfloat16", 2 ** -8), ("fp8", 2 ** -4)]:
-        lossy = hs.open_cache(caches[dtype][0], tiny_target, TAPS, ds).batch([row], ids.shape[1], "cpu", torch.float32)[0]
+        lossy = hs.open_cache(caches[dtype][0], tiny_target, TAPS, ds).batch([row], ids.shape[1], "cpu",
+                                                                             torch.float32)[0]
         assert ((lossy - taps).abs() <= tol * taps.abs().amax(-1, keepdim=True) + 1e-6).all(), dtype
 
 
@@ -106,13 +107,16 @@ def test_cache_for_other_target_taps_or_data_is_refused(caches, ds, tiny_target,
 
 def test_cli(tmp_path, small_data):
     out = tmp_path / "cli"
-    r = subprocess.run([sys.executable, "-m", "dflash_train.cli.cache", "--data", str(small_data / "val.jsonl"),
-                        "--target", str(TINY_TARGET), "--output", str(out), "--dtype", "fp8"],
+    r = subprocess.run([sys.executable, "-m", "dflash_train.cli.cache", "--data",
+                        str(small_data / "val.jsonl"), "--target", str(TINY_TARGET), "--output", str(out),
+                        "--dtype", "fp8"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "bytes/token (fp8)" in r.stderr and json.loads((out / "manifest.json").read_text())["dtype"] == "fp8"
-    bad = subprocess.run([sys.executable, "-m", "dflash_train.cli.cache", "--data", str(tmp_path / "none.jsonl"),
-                          "--target", str(TINY_TARGET), "--output", str(tmp_path / "o")],
+    assert ("bytes/token "
+            "(fp8)" in r.stderr and json.loads((out / "manifest.json").read_text())["dtype"] == "fp8")
+    bad = subprocess.run([sys.executable, "-m", "dflash_train.cli.cache", "--data",
+                          str(tmp_path / "none.jsonl"), "--target", str(TINY_TARGET), "--output",
+                          str(tmp_path / "o")],
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     assert [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")] == [
@@ -120,7 +124,8 @@ def test_cli(tmp_path, small_data):
     assert not (tmp_path / "o").exists()
 
 
-def test_ctrl_c_then_the_same_command_resumes_and_then_says_complete(small_data, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_then_the_same_command_resumes_and_then_says_complete(small_data, tmp_path, monkeypatch,
+                                                                     capsys):
     """Interrupted while writing its first shard (a half-written .tmp file and no partial manifest
     yet): one line, exit 130; the same command resumes; once more, it says the cache is complete."""
     out = tmp_path / "c"
@@ -168,8 +173,8 @@ def test_ctrl_c_then_the_same_command_resumes_and_then_says_complete(small_data,
 @pytest.mark.parametrize("flags, message", [(["--shard-rows", "0"], "--shard-rows must be >= 1"),
                                             (["--batch-size", "0"], "--batch-size must be >= 1"),
                                             (["--target-layer-ids", "1,x"], "--target-layer-ids must be")])
-def test_bad_flags_and_missing_data_are_found_before_the_target_is_loaded(flags, message, small_data, tmp_path,
-                                                                        capsys):
+def test_bad_flags_and_missing_data_are_found_before_the_target_is_loaded(flags, message, small_data,
+                                                                          tmp_path, capsys):
     broken = broken_target(tmp_path / "broken", "garbage")  # loading it would fail: it is never loaded
     for data, expected in [(small_data / "val.jsonl", message), (tmp_path / "none.jsonl", "not found")]:
         with pytest.raises(SystemExit) as e:
@@ -203,7 +208,8 @@ def test_the_targets_dtype_is_recorded_and_part_of_the_resume_key(small_data, tm
     with pytest.raises(SystemExit) as e:
         hs_cli.main([*cmd, "--target-dtype", "bf16"])
     line = error_line(capsys.readouterr().err)
-    assert e.value.code == 2 and "holds a partial cache for other settings (target_dtype differ)" in line, line
+    assert (e.value.code == 2 and "holds a partial cache for other settings (target_dtype "
+                                  "differ)" in line), line
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     hs_cli.main([*cmd, "--target-dtype", "fp32"])
     assert json.loads((out / hs.MANIFEST).read_text())["target_dtype"] == "fp32"
@@ -222,7 +228,8 @@ def test_a_damaged_cache_of_ours_is_replaced_with_overwrite(small_data, tmp_path
     with pytest.raises(SystemExit) as e:
         hs_cli.main(cmd)
     line = error_line(capsys.readouterr().err)
-    assert e.value.code == 2 and "is not valid JSON" in line and "pass --overwrite to replace this cache" in line
+    assert (e.value.code == 2 and "is not valid JSON" in line and "pass --overwrite to replace "
+                                                                  "this cache" in line)
     assert (out / hs.MANIFEST).read_text() == whole[:50]
     hs_cli.main([*cmd, "--overwrite"])
     assert json.loads((out / hs.MANIFEST).read_text()) == json.loads(whole)

@@ -86,7 +86,8 @@ def _rewrite_manifest(path, change) -> None:
     (path / "manifest.json").write_text(json.dumps(m))
 
 
-def test_a_cache_without_labels_reads_as_none_and_one_missing_them_is_refused(caches, tiny_target, ds, tmp_path):
+def test_a_cache_without_labels_reads_as_none_and_one_missing_them_is_refused(caches, tiny_target, ds,
+                                                                              tmp_path):
     old = tmp_path / "old"
     shutil.copytree(caches["bfloat16"], old)
     _rewrite_manifest(old, lambda m: m.pop("labels"))  # as written before labels were stored

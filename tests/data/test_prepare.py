@@ -12,12 +12,14 @@ from dflash_train.data.prepare import PrepareSettings, prepare
 
 def test_prepare_called_as_a_library_writes_what_the_command_line_writes(tmp_path):
     data = tmp_path / "in.jsonl"
-    data.write_text("".join((ROOT / "data" / "tiny" / "train.jsonl").read_text().splitlines(keepends=True)[:8]))
+    data.write_text("".join((ROOT / "data" / "tiny"
+                             / "train.jsonl").read_text().splitlines(keepends=True)[:8]))
     settings = PrepareSettings(input=str(data), format="messages", target=str(TINY_TARGET),
                                output=str(tmp_path / "lib"), min_supervised_tokens=8, val_size=2)
     prepare(settings)
     assert settings.max_length is None and settings.input == str(data)  # defaults fitted on a copy
-    code, _, err = run_main(prepare_cli.main, ["--input", data, "--format", "messages", "--target", TINY_TARGET,
+    code, _, err = run_main(prepare_cli.main,
+                            ["--input", data, "--format", "messages", "--target", TINY_TARGET,
                                                "--output", tmp_path / "cli", "--min-supervised-tokens", "8",
                                                "--val-size", "2"])
     assert code == 0, err[-2000:]

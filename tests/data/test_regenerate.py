@@ -36,7 +36,8 @@ def tiny_conversations(n: int) -> list[list[dict]]:
 
 def test_answer_points_split_at_assistant_turns():
     s, u1, a1, u2, a2 = ({"role": r, "content": c} for r, c in
-                         [("system", "S"), ("user", "U1"), ("assistant", "A1"), ("user", "U2"), ("assistant", "A2")])
+                         [("system", "S"), ("user", "U1"), ("assistant", "A1"), ("user", "U2"),
+                          ("assistant", "A2")])
     assert regen.answer_points([s, u1, a1, u2, a2]) == [[s, u1], [u2]]
     assert regen.answer_points([s, u1]) == [[s, u1]]  # prompt-only rows get an answer
     assert regen.answer_points([u1, a1, a2, u2]) == [[u1], [u2]]  # consecutive replies count once
@@ -66,7 +67,8 @@ def test_history_holds_the_targets_own_answers_and_drops_are_counted(tiny_target
     s = replace(GREEDY, keep_truncated=False)
     results, stats = regen.regenerate(convs, tok, fake_generate(tok, replies, seen), s, tmp_path / "w1", {})
     assert [m["content"] for m in results[0] if m["role"] == "assistant"] == ["reply 1.", "reply 3."]
-    assert [m for m in results[0] if m["role"] != "assistant"] == [m for m in convs[0] if m["role"] != "assistant"]
+    assert ([m for m in results[0] if m["role"] != "assistant"] == [m for m in convs[0] if m["role"]
+                                                                    != "assistant"])
     # The prompt for row 0's second answer holds its first answer by the target, not the dataset's.
     assert "reply 1.<|im_end|>" in seen[2] and convs[0][2]["content"] not in seen[2]
     assert seen[2].endswith(convs[0][3]["content"] + "<|im_end|>\n<|im_start|>assistant\n")
@@ -112,8 +114,10 @@ def test_resume_after_interruption_equals_an_uninterrupted_run(qwen3_random_targ
     tok, convs = target.tokenizer, tiny_conversations(6)
     s = replace(GREEDY, temperature=1.0, top_p=0.9, seed=7, max_new_tokens=12)
     # Its answers are all cut at 12 tokens: counted as finished here, so that every turn is asked.
-    finished = lambda generate: lambda p, seed: [replace(g, stopped=True) for g in generate(p, seed)]  # noqa: E731
-    generate = finished(regen.transformers_generate(target, sorted(stop_token_ids(None, tok, "<|im_end|>")), s))
+    finished = lambda generate: lambda p, seed: [replace(g, stopped=True)  # noqa: E731
+                                                 for g in generate(p, seed)]
+    generate = finished(regen.transformers_generate(target, sorted(stop_token_ids(None, tok, "<|im_end|>")),
+                                                    s))
     record = {"target": str(qwen3_random_target_dir)} | vars(s)
     calls = []
 
@@ -147,9 +151,9 @@ def test_prepare_regenerate_cli(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(TINY_DATA.read_text().splitlines(keepends=True)[:4]))
     out = tmp_path / "out"
-    prepare.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output", str(out),
-                  "--regenerate", "--max-new-tokens", "48", "--batch-size", "4", "--min-supervised-tokens", "2",
-                  "--keep-truncated"])
+    prepare.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output",
+                  str(out), "--regenerate", "--max-new-tokens", "48", "--batch-size", "4",
+                  "--min-supervised-tokens", "2", "--keep-truncated"])
     info = json.loads((out / "prepare_info.json").read_text())
     r = info["regeneration"]
     assert (r["backend"], r["temperature"], r["max_new_tokens"], r["seed"]) == ("transformers", 0.0, 48, 0)
@@ -171,9 +175,9 @@ def test_kept_truncated_answer_is_supervised_to_the_cut_without_end_of_turn(tmp_
     src = tmp_path / "in.jsonl"
     src.write_text("".join(TINY_DATA.read_text().splitlines(keepends=True)[:3]))
     out = tmp_path / "out"
-    prepare.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output", str(out),
-                  "--regenerate", "--max-new-tokens", "12", "--batch-size", "4", "--min-supervised-tokens", "2",
-                  "--keep-truncated"])
+    prepare.main(["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output",
+                  str(out), "--regenerate", "--max-new-tokens", "12", "--batch-size", "4",
+                  "--min-supervised-tokens", "2", "--keep-truncated"])
     target = load_target(str(TINY_TARGET))
     tok = target.tokenizer
     eot = tok.convert_tokens_to_ids("<|im_end|>")
@@ -183,8 +187,10 @@ def test_kept_truncated_answer_is_supervised_to_the_cut_without_end_of_turn(tmp_
         [regen._prompt_ids(tok, first, False)], 0)[0]
     assert not cut.stopped and len(cut.tokens) == 12
 
-    regenerated = [json.loads(line)["messages"] for line in (out / "regenerated.jsonl").read_text().splitlines()]
-    assert regenerated[0] == first + [{"role": "assistant", "content": tok.decode(cut.tokens), "truncated": True}]
+    regenerated = [json.loads(line)["messages"]
+                   for line in (out / "regenerated.jsonl").read_text().splitlines()]
+    assert (regenerated[0] == first + [{"role": "assistant", "content": tok.decode(cut.tokens),
+                                        "truncated": True}])
     # row 1: the first answer stopped, the second (a long sum) was cut; row 2's answer stopped
     assert [m.get("truncated") for m in regenerated[1] if m["role"] == "assistant"] == [None, True]
     assert not any(m.get("truncated") for m in regenerated[2])
@@ -204,7 +210,8 @@ def test_kept_truncated_answer_is_supervised_to_the_cut_without_end_of_turn(tmp_
         return runs + ([tok.decode(cur)] if cur else [])
 
     replies = lambda k: [m["content"] for m in regenerated[k] if m["role"] == "assistant"]  # noqa: E731
-    assert supervised(rows[1]) == [replies(1)[0] + "<|im_end|>", replies(1)[1]]  # a stopped answer keeps its eot
+    # a stopped answer keeps its eot
+    assert supervised(rows[1]) == [replies(1)[0] + "<|im_end|>", replies(1)[1]]
     assert rows[1]["input_ids"][-1] != eot and rows[1]["loss_mask"][-1] == 1
     assert supervised(rows[2]) == [replies(2)[0] + "<|im_end|>"]
     from_jsonl = load_conversations(str(out / "regenerated.jsonl"), tok, 4096)
@@ -227,7 +234,8 @@ def test_regenerate_writes_only_into_a_work_folder_of_its_own(tiny_target, tmp_p
     assert [p.name for p in work.iterdir()] == ["notes.txt"]
     ours = tmp_path / "ours"
     regen.regenerate(convs, tok, fake_generate(tok, {}, []), GREEDY, ours, {})
-    assert sorted(p.name for p in ours.iterdir()) == [".dflash-train.json", regen.DONE_FILE, regen.SETTINGS_FILE]
+    assert (sorted(p.name for p in ours.iterdir()) == [".dflash-train.json", regen.DONE_FILE,
+                                                       regen.SETTINGS_FILE])
     regen.check_work_folder(ours)  # ours: resumable
     assert regen.work_folder(tmp_path / "out") == tmp_path / "out.work"
     assert regen.work_folder(tmp_path / "out" / "..") == tmp_path.parent / f"{tmp_path.name}.work"

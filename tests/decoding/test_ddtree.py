@@ -67,7 +67,9 @@ def check_tree(tree: DraftTree, expected: list[tuple], scores: dict[tuple, float
     lp = tree.log_probs
     assert lp.dtype == torch.float32 and bool((lp[1:] <= lp[:-1]).all())
     if scores is not None:
-        torch.testing.assert_close(lp.double(), torch.tensor([scores[p] for p in expected], dtype=torch.float64), atol=1e-5, rtol=0)
+        torch.testing.assert_close(lp.double(),
+                                   torch.tensor([scores[p] for p in expected], dtype=torch.float64),
+                                   atol=1e-5, rtol=0)
 
 
 def budgets_for(count: int) -> list[int]:
@@ -195,12 +197,13 @@ def test_full_vocabulary_logits_are_read_by_the_top_k_and_the_normaliser_only():
 
     with Record():
         tree = build_tree(logits, 20)
-    assert tree.size == 20 and seen <= {"__get__", "__getitem__", "dim", "float", "topk", "sub", "exp_", "sum"}, seen
+    assert (tree.size == 20
+            and seen <= {"__get__", "__getitem__", "dim", "float", "topk", "sub", "exp_", "sum"}), seen
 
 
 def same_tree(a: DraftTree, b: DraftTree) -> bool:
-    return (all(torch.equal(getattr(a, f), getattr(b, f)) for f in ["tokens", "depths", "parents", "visibility",
-                                                                    "log_probs"])
+    return (all(torch.equal(getattr(a, f), getattr(b, f)) for f in ["tokens", "depths", "parents",
+                                                                    "visibility", "log_probs"])
             and (a.children, a.ranks, a.best_child) == (b.children, b.ranks, b.best_child))
 
 
@@ -240,12 +243,14 @@ def test_a_shallow_tree_scores_only_the_depths_it_reaches(monkeypatch):
     on all 15; a confident drafter's tree reaches all 15. Row blocks give one call's bits."""
     g, rows = torch.Generator().manual_seed(3), []
     real = ddtree.top_k_log_probs
-    monkeypatch.setattr(ddtree, "top_k_log_probs", lambda logits, k: rows.append(logits.shape[0]) or real(logits, k))
+    monkeypatch.setattr(ddtree, "top_k_log_probs",
+                        lambda logits, k: rows.append(logits.shape[0]) or real(logits, k))
     shallow = 4 * torch.randn(15, 20000, generator=g)
     for budget in [64, 256, 1024]:
         rows.clear()
         depth = int(build_tree(shallow, budget).depths.max())
-        assert sum(rows) == min(b for b in (4, 6, 15) if b >= depth + 1) and rows[0] == 4, (budget, depth, rows)
+        assert (sum(rows) == min(b for b in (4, 6, 15) if b >= depth + 1) and rows[0] == 4), (budget, depth,
+                                                                                              rows)
         assert budget == 1024 or sum(rows) < 15
     deep = 0.3 * torch.randn(15, 20000, generator=g)
     deep[:, 0] += 20
@@ -253,7 +258,8 @@ def test_a_shallow_tree_scores_only_the_depths_it_reaches(monkeypatch):
     assert build_tree(deep, 64).depths.max() == 15 and rows == [4, 2, 9]
     logp, ids = real(shallow, 64)
     blocks = [real(shallow[a:b], 64) for a, b in [(0, 4), (4, 6), (6, 15)]]
-    assert torch.equal(torch.cat([b[0] for b in blocks]), logp) and torch.equal(torch.cat([b[1] for b in blocks]), ids)
+    assert (torch.equal(torch.cat([b[0] for b in blocks]),
+                        logp) and torch.equal(torch.cat([b[1] for b in blocks]), ids))
 
 
 def test_log_normaliser_is_logsumexp_bit_for_bit():
@@ -269,14 +275,16 @@ def test_log_normaliser_is_logsumexp_bit_for_bit():
             logits[3, 0] = float("nan")
         peak = torch.topk(logits, 2, dim=-1).values[:, :1]
         ours, torchs = ddtree.log_normaliser(logits, peak), torch.logsumexp(logits, -1, keepdim=True)
-        assert torch.equal(ours.isnan(), torchs.isnan()) and torch.equal(ours.nan_to_num(), torchs.nan_to_num())
+        assert (torch.equal(ours.isnan(), torchs.isnan()) and torch.equal(ours.nan_to_num(),
+                                                                          torchs.nan_to_num()))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_input_gives_cpu_tree():
     logits = torch.randn(15, 1000)
     a, b = build_tree(logits.cuda(), 64), build_tree(logits, 64)
-    assert a.tokens.device.type == "cpu" and torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert (a.tokens.device.type == "cpu" and torch.equal(a.tokens, b.tokens)
+            and torch.equal(a.parents, b.parents))
 
 
 # --- the path-conditioned tree (DSpark): the same brute force under conditional scores ---------
@@ -338,12 +346,14 @@ def random_markov_scorer(head_type: str, L: int, V: int, candidates: int, seed: 
 
 
 @pytest.mark.parametrize("head_type", ["vanilla", "gated", "rnn"])
-@pytest.mark.parametrize("L, V, candidates", [(2, 4, 2), (2, 4, 4), (3, 5, 1), (3, 5, 3), (3, 5, 99), (2, 30, 6)])
+@pytest.mark.parametrize("L, V, candidates",
+                         [(2, 4, 2), (2, 4, 4), (3, 5, 1), (3, 5, 3), (3, 5, 99), (2, 30, 6)])
 def test_conditional_tree_matches_brute_force(head_type, L, V, candidates):
     """The path-conditioned tree holds the top-`budget` prefixes under the conditional scores the
     builder documents (the Markov bias on the backbone's top-`candidates` tokens per depth, the
     exact conditional distribution once candidates >= V), for every budget."""
-    head, base, hidden, bonus, scorer = random_markov_scorer(head_type, L, V, candidates, seed=L * 100 + V + candidates)
+    head, base, hidden, bonus, scorer = random_markov_scorer(head_type, L, V, candidates,
+                                                             seed=L * 100 + V + candidates)
     cond_logp, cand = markov_reference(head, base, hidden, bonus, candidates)
     paths, scores = conditional_order(cond_logp, cand)
     M = min(candidates, V)
@@ -365,7 +375,8 @@ def test_conditional_tree_without_bias_is_the_plain_tree(candidates):
     """With W2 = 0 the conditional distribution is the backbone's marginal whatever the parent:
     whenever the candidates cover the top-K (K = min(budget, V)), the tree is today's DDTree."""
     for head_type in ["vanilla", "gated", "rnn"]:
-        head, base, hidden, bonus, scorer = random_markov_scorer(head_type, 4, 40, candidates, seed=candidates)
+        head, base, hidden, bonus, scorer = random_markov_scorer(head_type, 4, 40, candidates,
+                                                                 seed=candidates)
         with torch.no_grad():
             head.markov_w2.weight.zero_()
         for budget in [b for b in [1, 3, 5, 7, 30, 120] if min(b, 40) <= candidates]:

@@ -61,7 +61,8 @@ def test_stop_token_and_max_length_are_exact(tiny_target, drafter):
     assert full[-1] in stops and not set(full[:-1]) & stops
     for n in [1, 2, 7, 13, len(full) - 1]:
         for method in ["dflash", "ddtree"]:
-            assert decode(tiny_target, drafter, ids, method, 32, max_new_tokens=n, stop_ids=stops).tokens == full[:n]
+            assert (decode(tiny_target, drafter, ids, method, 32, max_new_tokens=n,
+                           stop_ids=stops).tokens == full[:n])
     assert decode(tiny_target, drafter, ids, "ddtree", 32, max_new_tokens=500, stop_ids=stops).tokens == full
 
 
@@ -102,23 +103,25 @@ def test_sampling_follows_the_target_distribution():
     vocabulary makes exact marginals cheap; a chi-square test at p > 1e-3 checks them."""
     V = 12
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                      tie_word_embeddings=False)
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # spread but not flat next-token distributions
     target = Target(model, tokenizer=None, name_or_path="random", revision=None)
     drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=V,
-                                          block_size=4, mask_token_id=V - 1, target_layer_ids=[1],
-                                          num_target_layers=4)).eval()
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          vocab_size=V, block_size=4, mask_token_id=V - 1,
+                                          target_layer_ids=[1], num_target_layers=4)).eval()
     prompt = torch.tensor([[3, 5, 7]])
 
     with torch.no_grad():  # exact marginals of tokens 2 and 3 by enumeration
         p1 = torch.softmax(model(prompt).logits[0, -1].double(), -1)
         p2, p3 = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
         for a in range(V):
-            pa = p1[a] * torch.softmax(model(torch.cat([prompt, torch.tensor([[a]])], 1)).logits[0, -1].double(), -1)
+            pa = (p1[a] * torch.softmax(model(torch.cat([prompt, torch.tensor([[a]])],
+                                                        1)).logits[0, -1].double(), -1))
             p2 += pa
             for b in range(V):
                 seq = torch.cat([prompt, torch.tensor([[a, b]])], 1)
@@ -129,7 +132,8 @@ def test_sampling_follows_the_target_distribution():
     c2, c3 = torch.zeros(V), torch.zeros(V)
     accepted_drafts = 0
     for _ in range(N):
-        r = decode(target, drafter, prompt, "ddtree", budget=16, temperature=1.0, max_new_tokens=3, generator=gen)
+        r = decode(target, drafter, prompt, "ddtree", budget=16, temperature=1.0, max_new_tokens=3,
+                   generator=gen)
         c2[r.tokens[1]] += 1
         c3[r.tokens[2]] += 1
         accepted_drafts += r.accept_lengths[0] - 1
@@ -178,6 +182,7 @@ def test_tree_calibration_counts_every_judged_node(tiny_target, drafter):
     hits = sum(c[1] for c in r.calibration.values())
     nodes = sum(c[2] for c in r.calibration.values())
     assert hits == sum(r.accept_lengths) - len(r.accept_lengths) > 0
-    assert nodes > hits and all(0 < c[0] <= c[2] for c in r.calibration.values())  # stated probabilities in (0, 1]
+    # stated probabilities in (0, 1]
+    assert nodes > hits and all(0 < c[0] <= c[2] for c in r.calibration.values())
     assert all(1 <= d <= drafter.config.block_size - 1 for d, _ in r.calibration)
     assert decode(tiny_target, drafter, ids, "dflash", max_new_tokens=20, stop_ids=stops).calibration == {}

@@ -62,7 +62,8 @@ def test_the_output_holds_tokens_the_drafter_can_never_propose(tiny_target, draf
     stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
     outside = set()
     for q in QUESTIONS + ["How many seconds are in 7 minutes?", "Hello!"]:
-        r = decode(tiny_target, None, chat_prompt(tiny_target.tokenizer, q), "ar", max_new_tokens=40, stop_ids=stops)
+        r = decode(tiny_target, None, chat_prompt(tiny_target.tokenizer, q), "ar", max_new_tokens=40,
+                   stop_ids=stops)
         outside |= {t for t in r.tokens if not drafter.t2d[t]}
     assert outside  # else the losslessness checks above would not cover them
 
@@ -72,13 +73,15 @@ def test_a_budget_above_the_kept_prefixes_adds_only_minus_inf_nodes(tiny_target,
     the tree, and any node outside the draft vocabulary has path log-prob -inf (never a finite score);
     the output stays greedy. (Today the tree fills its budget with such -inf nodes: see the report.)"""
     torch.manual_seed(0)
-    drafter = DFlashDrafter(drafter_config_for(tiny_target, ModelConfig(num_layers=1, draft_vocab_size=2))).eval()
+    drafter = DFlashDrafter(drafter_config_for(tiny_target,
+                                               ModelConfig(num_layers=1, draft_vocab_size=2))).eval()
     stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
     ids = chat_prompt(tiny_target.tokenizer, QUESTIONS[0])
     ar = decode(tiny_target, None, ids, "ar", max_new_tokens=12, stop_ids=stops)
     kept = sorted(set(ar.tokens[:2]))  # tokens the target will want: some drafts are accepted
     kept = kept if len(kept) == 2 else [kept[0], kept[0] + 1]
-    drafter.set_draft_vocab(DraftVocab(torch.tensor(kept), drafter.config.vocab_size), tiny_target.lm_head.weight)
+    drafter.set_draft_vocab(DraftVocab(torch.tensor(kept), drafter.config.vocab_size),
+                            tiny_target.lm_head.weight)
     r = decode(tiny_target, drafter, ids, "ddtree", 300, max_new_tokens=12, stop_ids=stops)
     assert r.tokens == ar.tokens
     for tree in verified_trees:
@@ -105,7 +108,8 @@ def test_draft_block_and_the_cost_models_draft_batch_draft_in_the_vocabulary(tin
     ids = chat_prompt(tiny_target.tokenizer, QUESTIONS[1])
     taps, _ = target_forward(tiny_target, ids, torch.ones_like(ids), drafter.config.target_layer_ids)
     P = ids.shape[1]
-    one, three = ContextCache(drafter.config.num_hidden_layers), ContextCache(drafter.config.num_hidden_layers)
+    one, three = (ContextCache(drafter.config.num_hidden_layers),
+                  ContextCache(drafter.config.num_hidden_layers))
     drafter.extend_context(one, taps, torch.arange(P)[None])
     drafter.extend_context(three, taps.expand(3, -1, -1), torch.arange(P).expand(3, P))
     bonus = int(ids[0, -1])

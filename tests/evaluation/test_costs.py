@@ -29,9 +29,10 @@ def batched(requests: int, width: int, context: int) -> float:
 def curves_for(contexts: list[int]) -> speed.Curves:
     """What measure_costs would measure on the synthetic device: one request at every width after
     P0 tokens, and at CONTEXT_WIDTHS after each of `contexts` (none: the old width-only curve)."""
-    return speed.Curves(WIDTHS, np.array([[batched(1, w, P0) for w in WIDTHS]]), [1, 4], np.array([[1.0, 1.5]]),
-                        P0, contexts, CONTEXT_WIDTHS if contexts else [],
-                        np.array([[[batched(1, w, t) for w in CONTEXT_WIDTHS] for t in contexts]]) if contexts else None)
+    return speed.Curves(WIDTHS, np.array([[batched(1, w, P0) for w in WIDTHS]]), [1, 4],
+                        np.array([[1.0, 1.5]]), P0, contexts, CONTEXT_WIDTHS if contexts else [],
+                        np.array([[[batched(1, w, t) for w in CONTEXT_WIDTHS] for t in contexts]])
+                        if contexts else None)
 
 
 @pytest.mark.parametrize("requests,width", [(16, 1), (4, 1), (4, 64), (4, 65), (16, 64), (16, 4), (16, 257)])
@@ -45,7 +46,8 @@ def test_n_requests_cost_n_contexts(requests, width):
     assert new.verify_at(requests, width)[0] == pytest.approx(truth, rel=1e-9)
     assert new.per_pair_ms()[0] == pytest.approx(D)
     assert abs(old.verify_at(requests, width)[0] / truth - 1) > 0.15  # the width curve alone is off
-    assert new.verify_at(1, width)[0] == pytest.approx(old.verify_at(1, width)[0])  # one request: the curve itself
+    # one request: the curve itself
+    assert new.verify_at(1, width)[0] == pytest.approx(old.verify_at(1, width)[0])
 
 
 def test_context_between_measured_totals_is_interpolated():
@@ -62,8 +64,10 @@ def test_ar_slows_with_context_so_speculation_gains_more():
     """16 requests: AR's verify forward grows by 16 contexts; a budget-15 tree's forward grows
     less in proportion, so the predicted speedup goes up once the context axis is measured."""
     tau = np.full((4, 1), 3.0)
-    st = {"draft": np.full((4, 1), 1.0), "host": np.full((4, 1), 0.1), "verify": np.full((4, 1), batched(1, 16, P0))}
-    ar = {"draft": np.zeros((4, 1)), "host": np.full((4, 1), 0.05), "verify": np.full((4, 1), batched(1, 1, P0))}
+    st = {"draft": np.full((4, 1), 1.0), "host": np.full((4, 1), 0.1),
+          "verify": np.full((4, 1), batched(1, 16, P0))}
+    ar = {"draft": np.zeros((4, 1)), "host": np.full((4, 1), 0.05),
+          "verify": np.full((4, 1), batched(1, 1, P0))}
     draws, curves = speed.resample(4, 1), curves_for([4 * P0, 16 * P0])
     old = speed.predicted_speedup(tau, st, ar, "ddtree", 15, 16, curves_for([]), draws)[0]
     new = speed.predicted_speedup(tau, st, ar, "ddtree", 15, 16, curves, draws)[0]
@@ -89,7 +93,8 @@ def test_report_says_which_grid_points_were_measured():
     costs = {"context": P0, "widths": WIDTHS, "batches": [1, 4],
              "verify_ms": [[batched(1, w, P0) for w in WIDTHS]] * rounds, "draft_ms": [[1.0, 1.5]] * rounds,
              "contexts": [4 * P0, 16 * P0], "context_widths": CONTEXT_WIDTHS,
-             "context_verify_ms": [[[batched(1, w, t) for w in CONTEXT_WIDTHS] for t in [4 * P0, 16 * P0]]] * rounds}
+             "context_verify_ms": [[[batched(1, w, t) for w in CONTEXT_WIDTHS]
+                                    for t in [4 * P0, 16 * P0]]] * rounds}
     curves = speed.Curves.from_rounds(costs, resamples=20)
     grid = cost_grid(costs, curves)
     assert [1024, P0] in grid["measured_grid"] and [256, 16 * P0] in grid["measured_grid"]
@@ -110,8 +115,8 @@ def test_report_says_which_grid_points_were_measured():
 
 def test_width_only_costs_say_so():
     """No context axis (an old costs JSON): the model says the cost grows by width only."""
-    costs = {"context": P0, "widths": WIDTHS, "batches": [1], "verify_ms": [[batched(1, w, P0) for w in WIDTHS]],
-             "draft_ms": [[1.0]]}
+    costs = {"context": P0, "widths": WIDTHS, "batches": [1],
+             "verify_ms": [[batched(1, w, P0) for w in WIDTHS]], "draft_ms": [[1.0]]}
     grid = cost_grid(costs, speed.Curves.from_rounds(costs, resamples=5))
     assert grid["measured_grid"] == [[w, P0] for w in WIDTHS] and "width only" in grid["model"]
     old = curves_for([])  # also with no context at all (a width-only costs JSON from --verify-times)
@@ -123,7 +128,8 @@ def test_device_costs_with_a_context_axis():
     """--verify-times: a gpu_costs.py JSON with verify_ms_by_context predicts N contexts too."""
     dev = {"device": "GPU", "context": P0, "draft_ms": 1.0,
            "verify_ms_by_width": {str(w): batched(1, w, P0) for w in WIDTHS},
-           "verify_ms_by_context": {str(t): {str(w): batched(1, w, t) for w in CONTEXT_WIDTHS} for t in [400, 1600]}}
+           "verify_ms_by_context": {str(t): {str(w): batched(1, w, t) for w in CONTEXT_WIDTHS}
+                                    for t in [400, 1600]}}
     curves, _ = device_costs_model(dev, 4, 1)
     assert curves.verify_at(16, 1)[0] == pytest.approx(batched(16, 1, P0))
     del dev["verify_ms_by_context"]
@@ -143,7 +149,8 @@ def test_measure_costs_times_the_longer_contexts(tiny_target):
                           context_widths=[1, 4])
     assert costs["contexts"] == [16, 32] and costs["context_widths"] == [1, 4]
     assert np.asarray(costs["context_verify_ms"]).shape == (2, 2, 2)
-    assert np.asarray(costs["verify_ms"]).shape == (2, 3) and (np.asarray(costs["context_verify_ms"]) > 0).all()
+    assert (np.asarray(costs["verify_ms"]).shape == (2, 3)
+            and (np.asarray(costs["context_verify_ms"]) > 0).all())
 
 
 def test_device_costs_count_the_scored_tree_and_the_chain_walk():
@@ -161,7 +168,8 @@ def test_device_costs_count_the_scored_tree_and_the_chain_walk():
     dflash2 = SimpleNamespace(variant="dflash2", markov_rank=0, markov_head_type="vanilla", selector_rank=256)
     assert scorer_key(gated, "conditional") == ("dspark-gated", "dspark-gated")
     assert scorer_key(gated, "marginal") == (None, "dspark-gated")  # the chain walks whatever the tree
-    assert scorer_key(dflash2, "conditional") == ("dflash2", "dflash2") and scorer_key(plain, "conditional") == (None, None)
+    assert (scorer_key(dflash2, "conditional") == ("dflash2", "dflash2") and scorer_key(plain, "conditional")
+            == (None, None))
     host = lambda scores, m: device_costs_model(dev, 2, 1, scores)[1](m, [])["host"][0, 0]  # noqa: E731
     assert host(scorer_key(gated, "conditional"), ("ddtree", 16)) == 2.0
     assert host(scorer_key(gated, "conditional"), ("dflash", 15)) == 0.3

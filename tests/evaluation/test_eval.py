@@ -29,8 +29,8 @@ def report(trained_drafter_dir, tmp_path_factory):
     gpu.write_text(json.dumps({"device": "Some GPU", "verify_ms_by_width": {"1": 10, "64": 10.5, "1024": 20},
                                "draft_ms": 1.0, "draft_ms_by_batch": {"1": 1.0, "4": 1.2},
                                "tree_build_ms_by_budget": {"16": 0.5, "64": 1.0}}))
-    main(["--drafter", str(trained_drafter_dir), "--budgets", "0,4,64", "--limit", "6", "--max-new-tokens", "32",
-          "--suite", "tinychat", "--suite", f"mt-bench={mt}", "--repeats", "2", "--concurrency", "1,4",
+    main(["--drafter", str(trained_drafter_dir), "--budgets", "0,4,64", "--limit", "6", "--max-new-tokens",
+          "32", "--suite", "tinychat", "--suite", f"mt-bench={mt}", "--repeats", "2", "--concurrency", "1,4",
           "--verify-times", str(gpu), "--output", str(out)])
     return out, json.loads((out / "report.json").read_text())
 
@@ -63,7 +63,8 @@ def test_report_results(report):
                 assert r["predicted"]["1"]["speedup"] == pytest.approx(r["speedup"], rel=1e-6)
     # the tree accepts more than the chain on the bundled suite
     assert by[("tinychat", "ddtree", 64)]["tau"] > by[("tinychat", "dflash", 7)]["tau"]
-    assert by[("mt-bench", "ar", 0)]["prompts"] == 1 and by[("mt-bench", "ar", 0)]["rounds"] > 2 * 10  # 2 turns x 2
+    # 2 turns x 2
+    assert by[("mt-bench", "ar", 0)]["prompts"] == 1 and by[("mt-bench", "ar", 0)]["rounds"] > 2 * 10
     hw = rep["hardware"]
     assert hw["device_type"] == "cpu" and hw["torch"] and hw["device"]
     # fp32 on a CPU verifies through the streaming linear wherever it builds (auto)
@@ -90,7 +91,8 @@ def test_report_records_the_drafter_it_measured(report, trained_drafter_dir):
     drafter = load_drafter(trained_drafter_dir)[0]
     assert rep["drafter_fingerprint"] == drafter_fingerprint(drafter)
     assert rep["block_size"] == drafter.config.block_size == 8
-    assert rep["target"] == json.loads((trained_drafter_dir / "config.json").read_text())["target"]["name_or_path"]
+    assert (rep["target"] == json.loads((trained_drafter_dir
+                                         / "config.json").read_text())["target"]["name_or_path"])
     assert "target_revision" in rep
 
 
@@ -130,7 +132,8 @@ def test_eval_decodes_in_the_interleaved_order(trained_drafter_dir, tmp_path, mo
 
     questions = ["What is 2 + 2?", "Hello!", "Tell me about Oakgate."]
     suite = tmp_path / "three.jsonl"
-    suite.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions))
+    suite.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
+                             for q in questions))
     calls, real_decode = [], ev.decode
 
     def recording_decode(target, drafter, prompt_ids, method, budget, *rest):
@@ -139,8 +142,8 @@ def test_eval_decodes_in_the_interleaved_order(trained_drafter_dir, tmp_path, mo
         return real_decode(target, drafter, prompt_ids, method, budget, *rest)
 
     monkeypatch.setattr(ev, "decode", recording_decode)
-    main(["--drafter", str(trained_drafter_dir), "--suite", str(suite), "--budgets", "4", "--max-new-tokens", "6",
-          "--repeats", "2", "--concurrency", "1", "--output", str(tmp_path / "out")])
+    main(["--drafter", str(trained_drafter_dir), "--suite", str(suite), "--budgets", "4", "--max-new-tokens",
+          "6", "--repeats", "2", "--concurrency", "1", "--output", str(tmp_path / "out")])
     A, C, T = ("ar", 0), ("dflash", 7), ("ddtree", 4)
     expected = [(0, *A), (0, *C), (0, *T)]  # warm-up on the first prompt, untimed
     rotations = [[A, C, T], [C, T, A], [T, A, C]]
@@ -189,8 +192,8 @@ def test_prediction_on_another_device_uses_its_costs():
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli.eval", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli.eval", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
 
 
 def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_target_dir):
@@ -199,7 +202,8 @@ def test_bad_input_is_one_line_exit_2(tmp_path, trained_drafter_dir, llama_targe
     (busy / "x").write_text("keep")
     cases = [
         (["--drafter", str(tmp_path / "nope"), "--output", str(tmp_path / "o1")], "drafter not found"),
-        (["--drafter", str(trained_drafter_dir), "--target", str(llama_target_dir), "--output", str(tmp_path / "o2")],
+        (["--drafter", str(trained_drafter_dir), "--target", str(llama_target_dir), "--output",
+          str(tmp_path / "o2")],
          "does not match target"),
         (["--drafter", str(trained_drafter_dir), "--suite", "nope", "--output", str(tmp_path / "o3")],
          "unknown suite"),
@@ -253,7 +257,8 @@ def test_cheap_inputs_are_checked_before_any_loading(tmp_path, trained_drafter_d
         (["--suite", f"gsm8k={tmp_path / 'missing.jsonl'}"], "not found"),
     ]
     if not torch.cuda.is_available():
-        cases.append((["--device", "cuda"], "has no CUDA support" if torch.version.cuda is None else "no CUDA device"))
+        cases.append((["--device", "cuda"],
+                      "has no CUDA support" if torch.version.cuda is None else "no CUDA device"))
     for args, message in cases:
         out = tmp_path / "out"
         code, _, err = run_main(main, [*nope, *args, "--output", out])
@@ -274,8 +279,8 @@ def test_target_dtype_bf16_decodes_and_is_recorded(trained_drafter_dir, tmp_path
     runs = {}
     for dtype in ("bf16", "auto"):
         out = tmp_path / dtype
-        main(["--drafter", str(trained_drafter_dir), "--budgets", "4", "--limit", "2", "--max-new-tokens", "16",
-              "--concurrency", "1", "--target-dtype", dtype, "--output", str(out)])
+        main(["--drafter", str(trained_drafter_dir), "--budgets", "4", "--limit", "2", "--max-new-tokens",
+              "16", "--concurrency", "1", "--target-dtype", dtype, "--output", str(out)])
         runs[dtype] = json.loads((out / "report.json").read_text())
     assert runs["bf16"]["hardware"]["dtype"] == "bfloat16"
     assert runs["auto"]["hardware"]["dtype"] == "float32"
@@ -299,4 +304,5 @@ def test_target_dtype_bf16_weights_streams_and_stays_lossless(trained_drafter_di
     assert "weights rounded to bf16, activations in float32" in (out / "report.md").read_text()
     assert {r["method"] for r in rep["results"]} == {"ar", "dflash", "ddtree"}
     assert all(r["lossless"] is True for r in rep["results"])
-    assert rep["drafter_fingerprint"] == drafter_fingerprint(load_drafter(trained_drafter_dir)[0])  # as stored
+    # as stored
+    assert rep["drafter_fingerprint"] == drafter_fingerprint(load_drafter(trained_drafter_dir)[0])

@@ -37,7 +37,8 @@ def test_a_sentence_three_times_loops_anywhere_in_the_reply(ids):
     reply = ids("Yes!" + SENTENCE * 3)
     assert find_loop(reply) == Loop(len(lead), len(block), 3 * len(block))
     # a loop the reply escapes from still counts
-    assert find_loop(ids("Sure." + SENTENCE * 3 + " Then it went to sleep, and so did I.")).period == len(block)
+    assert (find_loop(ids("Sure." + SENTENCE * 3 + " Then it went to sleep, and so did "
+                                                   "I.")).period == len(block))
     # the last copy may be cut short (a reply cut by max_new_tokens)
     loop = find_loop(reply + block[:3])
     assert loop.length == 3 * len(block) + 3 and loop.repeats > 3
@@ -59,8 +60,8 @@ def test_near_misses_do_not_loop(ids):
 
 
 def sample(prompt: int, method: str, budget: int, accept: int, outputs) -> Sample:
-    return Sample(0, prompt, 0, method, budget, accept_lengths=[accept] * 4, outputs=outputs, decoded=4 * accept,
-                  stage_s={"draft": 0.1, "tree": 0.0, "verify": 0.4, "commit": 0.0})
+    return Sample(0, prompt, 0, method, budget, accept_lengths=[accept] * 4, outputs=outputs,
+                  decoded=4 * accept, stage_s={"draft": 0.1, "tree": 0.0, "verify": 0.4, "commit": 0.0})
 
 
 def test_summary_counts_looping_replies_and_reports_tau_without_them():
@@ -92,7 +93,8 @@ def test_eval_reports_loops_per_suite(trained_drafter_dir, tmp_path, monkeypatch
 
     questions = ["What is 2 + 2?", "Hello!", "Tell me about Oakgate."]
     suite = tmp_path / "three.jsonl"
-    suite.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n" for q in questions))
+    suite.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q}]}) + "\n"
+                             for q in questions))
     real_decode = ev.decode
 
     def looping_decode(target, drafter, prompt_ids, *rest):
@@ -103,7 +105,8 @@ def test_eval_reports_loops_per_suite(trained_drafter_dir, tmp_path, monkeypatch
 
     monkeypatch.setattr(ev, "decode", looping_decode)
     out = tmp_path / "out"
-    main(["--drafter", str(trained_drafter_dir), "--suite", str(suite), "--budgets", "4", "--max-new-tokens", "8",
+    main(["--drafter", str(trained_drafter_dir), "--suite", str(suite), "--budgets", "4", "--max-new-tokens",
+          "8",
              "--concurrency", "1", "--output", str(out)])
     rows = json.loads((out / "report.json").read_text())["results"]
     assert [(r["method"], r["replies"], r["looping_replies"]) for r in rows] == [

@@ -75,7 +75,8 @@ def test_verdict_lists_what_it_cannot_tell_apart():
 
 
 def test_verdict_can_prefer_plain_decoding():
-    values = {("ar", 0): np.ones(401), ("dflash", 7): _resampled(0.6, 0.05), ("ddtree", 16): _resampled(0.4, 0.05)}
+    values = {("ar", 0): np.ones(401), ("dflash", 7): _resampled(0.6, 0.05),
+              ("ddtree", 16): _resampled(0.4, 0.05)}
     v = speed.verdict(values)
     assert v["recommended"] == {"method": "ar", "budget": 0}
     assert speed.verdict_text(v) == "**plain decoding**: no speculative method is faster here."
@@ -98,7 +99,8 @@ def test_prediction_at_one_request_is_the_measured_ratio():
     n, R = 6, 2
     tau = rng.uniform(2, 5, size=(n, R))
     st = {k: rng.uniform(0.5, 3, size=(n, R)) for k in ["draft", "host", "verify"]}
-    ar = {"draft": np.zeros((n, R)), "host": rng.uniform(0.1, 0.3, (n, R)), "verify": rng.uniform(5, 8, (n, R))}
+    ar = {"draft": np.zeros((n, R)), "host": rng.uniform(0.1, 0.3, (n, R)),
+          "verify": rng.uniform(5, 8, (n, R))}
     curves = speed.Curves([1, 2, 1024], np.array([[5.0, 5.5, 90.0]]), [1, 4], np.array([[1.0, 2.0]]))
     draws = speed.resample(n, R)
     got = speed.predicted_speedup(tau, st, ar, "ddtree", 16, 1, curves, draws)

@@ -12,7 +12,8 @@ ROWS = {
     "gsm8k-hub": {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "7"},
     "math500": {"problem": "Compute $1+1$.", "solution": "2", "answer": "2", "subject": "x", "level": 1,
                 "unique_id": "a"},
-    "humaneval-hub": {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "canonical_solution": "", "test": "",
+    "humaneval-hub": {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n", "canonical_solution": "",
+                      "test": "",
                   "entry_point": "add"},
     "mbpp": {"task_id": 2, "prompt": "Write a function to add two numbers.", "code": "", "test_list": []},
     "mt-bench": {"prompt": ["Write a haiku about rain.", "Now make it about snow."], "category": "writing",
@@ -73,8 +74,10 @@ def test_offline_real_target_suites_read_the_fetched_files(tmp_path, monkeypatch
     (root / "eval").mkdir(parents=True)
     (root / "eval" / "suites.yaml").write_text(suites.SUITES_FILE.read_text())
     (root / "data" / "real" / "prompts").mkdir(parents=True)
-    rows = [{"messages": [{"role": "user", "content": "Write a haiku."}, {"role": "user", "content": "Now shorter."}]}]
-    (root / "data" / "real" / "prompts" / "mtbench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [{"messages": [{"role": "user", "content": "Write a haiku."},
+                          {"role": "user", "content": "Now shorter."}]}]
+    (root / "data" / "real" / "prompts" / "mtbench.jsonl").write_text("".join(json.dumps(r)
+                                                                              + "\n" for r in rows))
     monkeypatch.setattr(suites, "SUITES_FILE", root / "eval" / "suites.yaml")
     name, prompts = load_suite("mtbench")
     assert name == "mtbench" and prompts[0].turns == ["Write a haiku.", "Now shorter."]

@@ -13,8 +13,8 @@ from dflash_train.evaluation.report import _distilled_text
 from dflash_train.export.card import training_section
 from dflash_train.training.config import dump_recipe, load_recipe
 
-DISTILLING = ["model.variant=dspark", "tree_distill.weight=1.0", "tree_distill.budget=8", "tree_distill.every=2",
-              "max_steps=4"]
+DISTILLING = ["model.variant=dspark", "tree_distill.weight=1.0", "tree_distill.budget=8",
+              "tree_distill.every=2", "max_steps=4"]
 
 
 def fake_run(folder, drafter, distilled_at=(2, 4)):
@@ -44,10 +44,11 @@ def test_distilled_steps_are_counted_up_to_the_folders_step(tmp_path, fresh_draf
 @pytest.mark.parametrize("distilled, says, not_says", [
     ({"distilled": 2, "steps": 4}, "Trained for its tree: 2 of its 4 steps distilled trees (metrics.jsonl), "
                                    "every 2 step(s), 2 blocks' own 8-node trees", "Not trained"),
-    ({"distilled": 0, "steps": 1}, "Not trained for its tree: its recipe asks for tree distillation (every 2 step(s)",
+    ({"distilled": 0, "steps": 1}, "Not trained for its tree: its recipe asks for tree "
+                                   "distillation (every 2 step(s)",
      "Trained for its tree"),
-    (None, "but the training run's metrics.jsonl is not beside this drafter, so how many steps distilled is not "
-           "known: it is not claimed as trained for its tree", "Trained for its tree"),
+    (None, "but the training run's metrics.jsonl is not beside this drafter, so how many "
+           "steps distilled is not known: it is not claimed as trained for its tree", "Trained for its tree"),
 ])
 def test_the_card_claims_only_what_the_metrics_count(distilled, says, not_says):
     text = training_section(dump_recipe(load_recipe(None, DISTILLING)), "dflash-train", None, distilled)
@@ -63,12 +64,16 @@ def test_export_states_the_runs_count(tmp_path, fresh_drafter_dir):
     run = fake_run(tmp_path / "run", fresh_drafter_dir)
     cards = {}
     for name, folder in [("final", run / "final"), ("step1", run / "checkpoints" / "step_000001")]:
-        export_main(["--format", "speculators", "--checkpoint", str(folder), "--output", str(tmp_path / name)])
+        export_main(["--format", "speculators", "--checkpoint", str(folder), "--output",
+                     str(tmp_path / name)])
         cards[name] = (tmp_path / name / "README.md").read_text()
     assert "Trained for its tree: 2 of its 4 steps distilled trees (metrics.jsonl)" in cards["final"]
-    assert "Not trained for its tree" in cards["step1"] and "not one of its 1 step distilled" in cards["step1"]
-    shutil.copy(run / "final" / "recipe.yaml", tmp_path / "final" / "recipe.yaml")  # as if kept with the export
-    export_main(["--format", "speculators", "--checkpoint", str(tmp_path / "final"), "--output", str(tmp_path / "re")])
+    assert ("Not trained for its tree" in cards["step1"] and "not one of its 1 step "
+                                                             "distilled" in cards["step1"])
+    # as if kept with the export
+    shutil.copy(run / "final" / "recipe.yaml", tmp_path / "final" / "recipe.yaml")
+    export_main(["--format", "speculators", "--checkpoint", str(tmp_path / "final"), "--output",
+                 str(tmp_path / "re")])
     card = (tmp_path / "re" / "README.md").read_text()
     assert "Trained for its tree" not in card and "is not claimed as trained for its tree" in card
 
@@ -80,5 +85,5 @@ def test_a_run_from_another_drafter_says_its_steps_come_on_top():
     assert "**4 steps** (batch" in plain and "init_from" not in plain  # the first line; the recipe follows
     on = training_section(dump_recipe(load_recipe(None, ["max_steps=4", "model.init_from=runs/first/final"])),
                           "dflash-train")
-    assert ("**4 steps** on from the drafter `runs/first/final` (model.init_from: these steps come on top of its "
-            "own) (batch") in on
+    assert ("**4 steps** on from the drafter `runs/first/final` (model.init_from: these steps "
+            "come on top of its own) (batch") in on

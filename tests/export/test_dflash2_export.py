@@ -67,7 +67,8 @@ def test_export_loads_in_speculators_with_our_logits(exported, drafter_dir, tiny
     from speculators.models.dflash2 import DFlash2DraftModel
 
     spec = SpeculatorModel.from_pretrained(str(exported), verifier=str(TINY_TARGET)).eval()
-    spec.config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention is for training on GPU
+    # flex attention is for training on GPU
+    spec.config.transformer_layer_config._attn_implementation = "sdpa"
     assert isinstance(spec, DFlash2DraftModel)
     ours, _ = load_drafter(drafter_dir)
     ours.eval()
@@ -82,7 +83,8 @@ def test_export_loads_in_speculators_with_our_logits(exported, drafter_dir, tiny
         hidden, logits = our_block(ours, tiny_target, ids, a)
         torch.testing.assert_close(logits, spec_logits, rtol=1e-5, atol=1e-5)
         # the selector: speculators' select() against our edge table, predecessor = each candidate
-        candidates, edges = dflash2.edge_scores(ours.candidate_selector, hidden[1:], logits[1:], int(ids[0, a]))
+        candidates, edges = dflash2.edge_scores(ours.candidate_selector, hidden[1:], logits[1:],
+                                                int(ids[0, a]))
         for t in range(1, candidates.shape[0]):
             for p, before in enumerate(candidates[t - 1].tolist()):
                 ids_t, scores = spec.candidate_selector.select(spec_logits[t + 1], spec_hidden[t + 1],
@@ -128,7 +130,8 @@ def test_vllm_reads_the_export_as_dflash2(attention, drafter_dir, tiny_target, t
     assert config.architectures == ["DFlash2DraftModel"]
     d = config.dflash_config
     assert d["target_layer_ids"] == ours.target_layer_ids and d["mask_token_id"] == ours.mask_token_id
-    assert (d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"], d["selector_top_k"]) == (2, 16, 16, 8)
+    assert ((d["conv_kernel_size"], d["conv_group_size"], d["selector_rank"], d["selector_top_k"])
+            == (2, 16, 16, 8))
     assert d["sample_from_anchor"] is False
     assert config.eagle_aux_hidden_state_layer_ids == [k + 1 for k in ours.target_layer_ids]
     layers = ours.num_hidden_layers
@@ -161,7 +164,8 @@ def speculators_written(tiny_target, tmp_path_factory):
         aux_hidden_state_layer_ids=[k + 1 for k in cfg.target_layer_ids], mask_token_id=cfg.mask_token_id,
         selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k,
         speculators_config=SpeculatorsConfig(
-            algorithm="dflash2", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.block_size - 1)],
+            algorithm="dflash2",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.block_size - 1)],
             default_proposal_method="greedy",
             verifier=VerifierConfig(name_or_path=str(TINY_TARGET), architectures=["Qwen3ForCausalLM"])))
     torch.manual_seed(1)

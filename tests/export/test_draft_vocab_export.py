@@ -31,8 +31,8 @@ def trained(tmp_path_factory, small_data):
 def exports(trained, tmp_path_factory):
     base = tmp_path_factory.mktemp("dv-export")
     for name, extra in [("fp32", []), ("bf16", ["--dtype", "bf16"])]:
-        code, _, stderr = run_main(main, ["--format", "speculators", "--checkpoint", trained, "--output", base / name,
-                                          *extra])
+        code, _, stderr = run_main(main, ["--format", "speculators", "--checkpoint", trained, "--output",
+                                          base / name, *extra])
         assert code == 0, stderr[-3000:]
     return base
 
@@ -41,7 +41,8 @@ def test_export_holds_exactly_the_drafters_tensors_and_config(exports, trained):
     ours, _ = load_drafter(trained)
     saved = load_file(exports / "fp32" / "model.safetensors")
     assert set(saved) == set(ours.state_dict())
-    assert {"lm_head.weight", "d2t", "t2d"} <= set(saved) and not {k for k in saved if "embed" in k or "verifier" in k}
+    assert ({"lm_head.weight", "d2t", "t2d"} <= set(saved) and not {k for k in saved if "embed" in k
+                                                                    or "verifier" in k})
     assert saved["lm_head.weight"].shape == (DRAFT_VOCAB, 128)
     config = json.loads((exports / "fp32" / "config.json").read_text())
     assert config["draft_vocab_size"] == DRAFT_VOCAB and config["transformer_layer_config"]["vocab_size"] == V
@@ -67,7 +68,8 @@ def test_speculators_loader_reads_our_head_and_maps_and_gives_our_logits(exports
     a, B = 11, ours.config.block_size
     spec_logits, block = speculators_block_logits(spec, tiny_target, ids, a, B)  # [1, B, N]
 
-    taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]), ours.config.target_layer_ids)
+    taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]),
+                             ours.config.target_layer_ids)
     cache = ContextCache(ours.config.num_hidden_layers)
     ours.extend_context(cache, taps, torch.arange(a)[None])
     hidden = ours.forward_cached(tiny_target.embed(block), torch.arange(a, a + B)[None], cache)
@@ -88,10 +90,12 @@ def vllm_compute_logits(hidden, lm_head, d2t, draft_vocab_size, vocab_size):
     fns = [f for c in ast.parse(source.read_text()).body if isinstance(c, ast.ClassDef) for f in c.body
            if isinstance(f, ast.FunctionDef) and f.name == "compute_logits"
            and "draft_id_to_target_id" in ast.unparse(f)]
-    assert len(fns) == 1, "vLLM's qwen3_dflash.py no longer has one compute_logits mapping draft_id_to_target_id"
+    assert (len(fns)
+            == 1), "vLLM's qwen3_dflash.py no longer has one compute_logits mapping draft_id_to_target_id"
     namespace = {"torch": torch}
     exec(compile(ast.Module(body=fns, type_ignores=[]), "qwen3_dflash.py", "exec"), namespace)  # noqa: S102
-    this = SimpleNamespace(logits_processor=lambda head, h: head(h), lm_head=lm_head, draft_id_to_target_id=d2t,
+    this = SimpleNamespace(logits_processor=lambda head, h: head(h), lm_head=lm_head,
+                           draft_id_to_target_id=d2t,
                            config=SimpleNamespace(draft_vocab_size=draft_vocab_size, vocab_size=vocab_size))
     return namespace["compute_logits"](this, hidden)
 
@@ -106,7 +110,8 @@ def test_vllm_reads_the_draft_vocabulary(exports, tiny_target):
     assert pre_trained["draft_vocab_size"] == DRAFT_VOCAB and spec["method"] == "dflash"
     imported, _ = load_drafter(exports / "fp32")
     hidden = torch.randn(6, 128)
-    ref = vllm_compute_logits(hidden, imported.lm_head, imported.d2t, config.draft_vocab_size, config.vocab_size)
+    ref = vllm_compute_logits(hidden, imported.lm_head, imported.d2t, config.draft_vocab_size,
+                              config.vocab_size)
     assert torch.equal(imported.full_logits(hidden, tiny_target.lm_head), ref)
 
 
@@ -121,7 +126,8 @@ def test_import_round_trip_is_exact(exports, trained):
 
 
 def test_bf16_export_halves_the_floating_tensors_and_keeps_the_maps(exports, trained):
-    fp32, bf16 = load_file(exports / "fp32" / "model.safetensors"), load_file(exports / "bf16" / "model.safetensors")
+    fp32, bf16 = (load_file(exports / "fp32" / "model.safetensors"),
+                  load_file(exports / "bf16" / "model.safetensors"))
     assert fp32.keys() == bf16.keys()
     floating = [k for k, v in fp32.items() if v.is_floating_point()]
     assert "lm_head.weight" in floating and {"d2t", "t2d"}.isdisjoint(floating)
@@ -168,11 +174,12 @@ def test_training_from_the_export_keeps_its_vocabulary(exports, small_data, tmp_
 
 
 def test_native_format_is_refused_and_writes_nothing(trained, tmp_path):
-    code, _, stderr = run_main(main, ["--format", "dflash", "--checkpoint", trained, "--output", tmp_path / "o"])
+    code, _, stderr = run_main(main, ["--format", "dflash", "--checkpoint", trained, "--output",
+                                      tmp_path / "o"])
     assert code == 2
-    assert error_line(stderr) == (f"error: the native DFlash format has no draft vocabulary (this drafter drafts over "
-                                  f"{DRAFT_VOCAB} of {V} tokens through its own lm_head / d2t): export it with "
-                                  "--format speculators")
+    assert error_line(stderr) == (f"error: the native DFlash format has no draft vocabulary (this "
+                                  f"drafter drafts over {DRAFT_VOCAB} of {V} tokens through its own lm_head "
+                                  "/ d2t): export it with --format speculators")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -197,7 +204,8 @@ def tamper(src, dst, how: str):
                                           ("order", "ascending target ids"), ("dtype", "d2t must be int64")])
 def test_a_tampered_d2t_or_t2d_is_refused_on_load(exports, tmp_path, how, message):
     bad = tamper(exports / "fp32", tmp_path / "bad", how)
-    code, _, stderr = run_main(main, ["--format", "speculators", "--checkpoint", bad, "--output", tmp_path / "o"])
+    code, _, stderr = run_main(main, ["--format", "speculators", "--checkpoint", bad, "--output",
+                                      tmp_path / "o"])
     assert code == 2
     line = error_line(stderr)
     assert message in line and str(bad) in line
@@ -240,12 +248,12 @@ def test_a_config_that_lost_its_draft_vocabulary_is_refused_on_load(exports, tra
     else:
         config["drafter"]["draft_vocab_size"] = None
     (bad / "config.json").write_text(json.dumps(config))
-    code, _, stderr = run_main(eval_main, ["--drafter", bad, "--budgets", "8", "--limit", "1", "--max-new-tokens", "8",
-                                           "--output", tmp_path / "e"])
+    code, _, stderr = run_main(eval_main, ["--drafter", bad, "--budgets", "8", "--limit", "1",
+                                           "--max-new-tokens", "8", "--output", tmp_path / "e"])
     assert code == 2 and error_line(stderr) == (
         f"error: '{bad}': the config and the weights disagree: the config gives no draft vocabulary (no "
-        f"draft_vocab_size below {V}), the weights carry one of {DRAFT_VOCAB} tokens (d2t, lm_head.weight, t2d): "
-        "set draft_vocab_size in its config.json, or drop them")
+        f"draft_vocab_size below {V}), the weights carry one of {DRAFT_VOCAB} tokens (d2t, "
+        "lm_head.weight, t2d): set draft_vocab_size in its config.json, or drop them")
     assert not (tmp_path / "e").exists()
 
 

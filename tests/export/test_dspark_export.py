@@ -30,7 +30,8 @@ def trained_dspark(tmp_path_factory, small_data):
     out = tmp_path_factory.mktemp("dspark") / "run"
     train_main([f"output_dir={out}", "max_steps=3", "model.variant=dspark", "model.markov_rank=16",
                 f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=8", "eval.max_samples=8", "eval.ddtree_budgets=[4, 16]", "checkpoint_every=0"])
+                "train.batch_size=8", "eval.max_samples=8", "eval.ddtree_budgets=[4, 16]",
+                "checkpoint_every=0"])
     return out
 
 
@@ -85,10 +86,11 @@ def test_export_round_trip_is_exact(exported, trained_dspark):
     assert meta["format"] == "speculators" and imported.config == original.config
     for k, v in original.state_dict().items():
         assert torch.equal(imported.state_dict()[k], v), k
-    heads = {k for k in load_file(exported / "model.safetensors") if k.startswith(("markov_head", "confidence_head"))}
+    heads = {k for k in load_file(exported / "model.safetensors")
+             if k.startswith(("markov_head", "confidence_head"))}
     # the names vLLM 0.33's Qwen3DSparkModel defines (DSparkMarkovHead, DSparkConfidenceHead with a bias)
-    assert heads == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
-                     "confidence_head.proj.bias"}
+    assert heads == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+                     "confidence_head.proj.weight", "confidence_head.proj.bias"}
 
 
 @pytest.mark.skipif(not VLLM_ALGOS.is_file(), reason=f"vLLM 0.33 sources not found at {DEST} "
@@ -102,7 +104,8 @@ def test_vllm_config_conversion_reads_the_export(exported, trained_dspark):
     config = json.loads((exported / "config.json").read_text())
     ours = load_drafter(trained_dspark / "final")[0].config
     pre = dict(config["transformer_layer_config"])
-    algos.SUPPORTED_SPECULATORS_TYPES[config["speculators_model_type"]](config_dict=config, pre_trained_config=pre)
+    algos.SUPPORTED_SPECULATORS_TYPES[config["speculators_model_type"]](config_dict=config,
+                                                                        pre_trained_config=pre)
     assert pre["architectures"] == ["Qwen3DSparkModel"]
     assert pre["target_layer_ids"] == ours.target_layer_ids  # vLLM's aux - 1 = our z-lab taps
     assert pre["sample_from_anchor"] is False and pre["dspark_bonus_anchor"] is True
@@ -126,7 +129,8 @@ def test_vllm_serves_the_export_as_method_dspark(exported, trained_dspark):
     assert spec == {"method": "dspark", "num_speculative_tokens": ours.block_size - 1}
     assert pre["architectures"] == ["Qwen3DSparkModel"] and pre["markov_rank"] == 16
     config = vllm_draft_config(exported)
-    assert [vllm_layer_causal(config, i) for i in range(ours.num_hidden_layers)] == [False] * ours.num_hidden_layers
+    assert ([vllm_layer_causal(config, i) for i in range(ours.num_hidden_layers)] == [False]
+            * ours.num_hidden_layers)
 
 
 def test_card_serves_method_dspark(exported):

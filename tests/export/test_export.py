@@ -24,8 +24,8 @@ from dflash_train.model.target import target_forward
 
 def fake_report(fingerprint, device_type="cpu", device="Some CPU", tau64=5.1234):
     """A dflash-eval report.json of the drafter with this fingerprint (block 8, the bundled target)."""
-    rows = [{"suite": "tinychat", "method": m, "budget": b, "temperature": 0.0, "max_new_tokens": 64, "prompts": 8,
-             "tau": t, "lossless": True, "speedup": x, "speedup_interval": iv}
+    rows = [{"suite": "tinychat", "method": m, "budget": b, "temperature": 0.0, "max_new_tokens": 64,
+             "prompts": 8, "tau": t, "lossless": True, "speedup": x, "speedup_interval": iv}
             for m, b, t, x, iv in [("ar", 0, 1.0, 1.0, [1.0, 1.0]), ("dflash", 7, 3.4567, 1.5, [1.4, 1.6]),
                                    ("ddtree", 64, tau64, 1.9, [1.8, 2.05])]]
     hw = {"device": device, "device_type": device_type, "torch": "2.x"}
@@ -33,8 +33,8 @@ def fake_report(fingerprint, device_type="cpu", device="Some CPU", tau64=5.1234)
         hw.update(cuda="12.8", driver="570.1")
     best = {"best": {"method": "ddtree", "budget": 64}, "speedup": 1.9, "interval": [1.8, 2.05],
             "recommended": {"method": "ddtree", "budget": 64}, "indistinguishable": []}
-    return {"target": str(TINY_TARGET), "target_revision": None, "block_size": 8, "drafter_fingerprint": fingerprint,
-            "hardware": hw, "results": rows,
+    return {"target": str(TINY_TARGET), "target_revision": None, "block_size": 8,
+            "drafter_fingerprint": fingerprint, "hardware": hw, "results": rows,
             "advice": {"tinychat": {"measured": best, "concurrency": {"1": best}}}}
 
 
@@ -59,7 +59,8 @@ def test_speculators_loader_gives_the_same_draft_logits(exports, trained_drafter
     from speculators import SpeculatorModel
 
     spec = SpeculatorModel.from_pretrained(str(exports / "speculators"), verifier=str(TINY_TARGET)).eval()
-    spec.config.transformer_layer_config._attn_implementation = "sdpa"  # flex attention is for training on GPU
+    # flex attention is for training on GPU
+    spec.config.transformer_layer_config._attn_implementation = "sdpa"
     ours, _ = load_drafter(trained_drafter_dir)
     ours.eval()
     assert spec.config.aux_hidden_state_layer_ids == [k + 1 for k in ours.config.target_layer_ids]
@@ -70,10 +71,12 @@ def test_speculators_loader_gives_the_same_draft_logits(exports, trained_drafter
     a, B = 11, ours.config.block_size
     spec_logits, block = speculators_block_logits(spec, tiny_target, ids, a, B)
 
-    taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]), ours.config.target_layer_ids)
+    taps, _ = target_forward(tiny_target, ids[:, :a], torch.ones_like(ids[:, :a]),
+                             ours.config.target_layer_ids)
     cache = ContextCache(ours.config.num_hidden_layers)
     ours.extend_context(cache, taps, torch.arange(a)[None])
-    our_logits = tiny_target.lm_head(ours.forward_cached(tiny_target.embed(block), torch.arange(a, a + B)[None], cache))
+    our_logits = tiny_target.lm_head(ours.forward_cached(tiny_target.embed(block),
+                                                         torch.arange(a, a + B)[None], cache))
     torch.testing.assert_close(spec_logits, our_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -135,8 +138,10 @@ def test_config_carries_the_pin(exports):
     for cfg in (spec, native):
         assert cfg["verifier_pin"]["kind"] == "content_sha256"
         assert cfg["verifier_pin"]["sha256"] == digest.hexdigest()
-    assert native["architectures"] == ["DFlashDraftModel"] and native["dflash_config"]["target_layer_ids"] == [1, 5]
-    assert spec["speculators_model_type"] == "dflash" and spec["speculators_config"]["verifier"]["name_or_path"]
+    assert (native["architectures"] == ["DFlashDraftModel"]
+            and native["dflash_config"]["target_layer_ids"] == [1, 5])
+    assert (spec["speculators_model_type"] == "dflash"
+            and spec["speculators_config"]["verifier"]["name_or_path"])
 
 
 def test_model_card(exports, fingerprint):
@@ -171,10 +176,10 @@ def test_card_lists_gpu_hardware_exactly(trained_drafter_dir, fingerprint, tmp_p
     section = text.split("## Validated on")[1].split("##")[0]
     assert section.strip().splitlines() == ["- NVIDIA H200 (cuda), torch 2.x, CUDA 12.8, driver 570.1",
                                             "- Some CPU (cpu), torch 2.x",
-                                            "- Some CPU (cpu), torch 2.x, fp32 through dflash-eval's streaming CPU "
-                                            "linear",
-                                            "- Some CPU (cpu), torch 2.x, bf16 weights, fp32 activations through "
-                                            "dflash-eval's streaming CPU linear"]
+                                            "- Some CPU (cpu), torch 2.x, fp32 through "
+                                            "dflash-eval's streaming CPU linear",
+                                            "- Some CPU (cpu), torch 2.x, bf16 weights, fp32 "
+                                            "activations through dflash-eval's streaming CPU linear"]
     # each acceptance table names the dtype its report ran in (none recorded: none named)
     assert "; Some CPU, bf16 weights, fp32 activations):" in text and "; Some CPU):" in text
     assert "--speculative-config" in text and '"num_speculative_tokens": 7' in text
@@ -184,8 +189,8 @@ def test_pins_from_hub_snapshot_and_revision(trained_drafter_dir, tmp_path):
     sha = "0123456789abcdef0123456789abcdef01234567"
     snap = tmp_path / "hub" / "models--acme--tiny" / "snapshots" / sha
     shutil.copytree(TINY_TARGET, snap)
-    main(["--format", "speculators", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "a"),
-          "--verifier", str(snap)])
+    main(["--format", "speculators", "--checkpoint", str(trained_drafter_dir), "--output",
+          str(tmp_path / "a"), "--verifier", str(snap)])
     pin = json.loads((tmp_path / "a" / "config.json").read_text())["verifier_pin"]
     assert pin == {"name_or_path": "acme/tiny", "kind": "hub_snapshot", "revision": sha}
     card = (tmp_path / "a" / "README.md").read_text()
@@ -197,8 +202,8 @@ def test_pins_from_hub_snapshot_and_revision(trained_drafter_dir, tmp_path):
 
 
 def test_dry_run_lists_exactly_the_files(trained_drafter_dir, tmp_path, capsys):
-    main(["--format", "speculators", "--checkpoint", str(trained_drafter_dir), "--output", str(tmp_path / "o"),
-          "--push-to-hub", "me/tiny-dflash", "--private", "--dry-run"])
+    main(["--format", "speculators", "--checkpoint", str(trained_drafter_dir), "--output",
+          str(tmp_path / "o"), "--push-to-hub", "me/tiny-dflash", "--private", "--dry-run"])
     out = capsys.readouterr().out.splitlines()
     start = next(i for i, line in enumerate(out) if line.startswith("dry run"))
     assert "private model repo 'me/tiny-dflash'" in out[start]
@@ -213,23 +218,23 @@ def test_eval_and_training_import_exports(exports, tmp_path, small_data):
     from dflash_train.cli.train import main as train_main
 
     for fmt in ["speculators", "dflash"]:
-        eval_main(["--drafter", str(exports / fmt), "--target", str(TINY_TARGET), "--limit", "2", "--budgets", "8",
-                   "--max-new-tokens", "16", "--output", str(tmp_path / f"eval_{fmt}")])
+        eval_main(["--drafter", str(exports / fmt), "--target", str(TINY_TARGET), "--limit", "2", "--budgets",
+                   "8", "--max-new-tokens", "16", "--output", str(tmp_path / f"eval_{fmt}")])
     taus = [[r["tau"] for r in json.loads((tmp_path / f"eval_{f}" / "report.json").read_text())["results"]]
             for f in ["speculators", "dflash"]]
     assert taus[0] == taus[1]  # the same drafter, whichever format it travelled in
     # training from an export: with a vanishing learning rate the weights stay the export's
     train_main([f"output_dir={tmp_path / 'ft'}", f"model.init_from={exports / 'speculators'}", "max_steps=2",
-                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=4"])
+                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}",
+                f"data.val={small_data / 'val.jsonl'}", "train.batch_size=4"])
     start, end = load_drafter(exports / "speculators")[0], load_drafter(tmp_path / "ft" / "final")[0]
     for k, v in start.state_dict().items():
         torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "dflash_train.cli.export", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    return subprocess.run([sys.executable, "-m", "dflash_train.cli.export", *args], capture_output=True,
+                          text=True, cwd=ROOT, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -243,8 +248,8 @@ def no_mask_target(tmp_path_factory):
     return d
 
 
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, llama_target_dir, no_mask_target,
-                                                         tmp_path):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, llama_target_dir,
+                                                         no_mask_target, tmp_path):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep").write_text("x")
@@ -253,14 +258,18 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(trained_drafter_dir, ll
     d = str(trained_drafter_dir)
     (tmp_path / "empty").mkdir()
     cases = [
-        (["--format", "speculators", "--checkpoint", str(tmp_path / "empty"), "--output", str(tmp_path / "o1")],
+        (["--format", "speculators", "--checkpoint", str(tmp_path / "empty"), "--output",
+          str(tmp_path / "o1")],
          "is not a drafter folder"),
         (["--format", "speculators", "--checkpoint", d, "--verifier", str(llama_target_dir), "--output",
           str(tmp_path / "o2")], "does not match the drafter: hidden size"),
-        (["--format", "dflash", "--checkpoint", d, "--verifier", str(no_mask_target), "--output", str(tmp_path / "o3")],
+        (["--format", "dflash", "--checkpoint", d, "--verifier", str(no_mask_target), "--output",
+          str(tmp_path / "o3")],
          "has no mask token <|MASK|>"),
-        (["--format", "onnx", "--checkpoint", d, "--output", str(tmp_path / "o4")], "unknown --format 'onnx'"),
-        (["--format", "dflash", "--checkpoint", d, "--eval-report", str(bad_report), "--output", str(tmp_path / "o5")],
+        (["--format", "onnx", "--checkpoint", d, "--output", str(tmp_path / "o4")],
+         "unknown --format 'onnx'"),
+        (["--format", "dflash", "--checkpoint", d, "--eval-report", str(bad_report), "--output",
+          str(tmp_path / "o5")],
          "is not a readable dflash-eval report"),
         (["--format", "dflash", "--checkpoint", d, "--output", str(busy)], "is not empty"),
         (["--format", "dflash", "--checkpoint", d, "--output", str(tmp_path / "o6"), "--dry-run"],
@@ -292,10 +301,13 @@ def test_only_reports_of_this_drafter_target_and_block_size_go_into_the_card(fre
     good = fake_report(drafter_fingerprint(load_drafter(fresh_drafter_dir)[0]))
     report = tmp_path / "report.json"
     base = ["--format", "dflash", "--checkpoint", str(fresh_drafter_dir), "--eval-report", str(report)]
-    for change, message in [({"drafter_fingerprint": None}, "has no drafter_fingerprint (written by an older"),
-                            ({"drafter_fingerprint": "0" * 64}, "measured another drafter (fingerprint 000000000000"),
+    for change, message in [({"drafter_fingerprint": None},
+                             "has no drafter_fingerprint (written by an older"),
+                            ({"drafter_fingerprint": "0" * 64},
+                             "measured another drafter (fingerprint 000000000000"),
                             ({"block_size": 16}, "was measured at block size 16, this checkpoint has 8"),
-                            ({"target": "Qwen/Qwen3-8B"}, "was measured against target 'Qwen/Qwen3-8B', not the "
+                            ({"target": "Qwen/Qwen3-8B"},
+                             "was measured against target 'Qwen/Qwen3-8B', not the "
                                                           f"verifier '{TINY_TARGET}'")]:
         report.write_text(json.dumps({**good, **change}))
         assert message in exits_2([*base, "--output", str(tmp_path / "o")])
@@ -378,7 +390,8 @@ def test_native_config_without_causality_keys_reads_as_bidirectional(exports, tm
 def test_re_exporting_an_export_keeps_its_training_recipe(exports, tmp_path):
     """An export re-exported (e.g. to add the eval reports of the export itself) carries the recipe on:
     the export holds it as training_recipe.yaml, not recipe.yaml."""
-    main(["--format", "speculators", "--checkpoint", str(exports / "speculators"), "--output", str(tmp_path / "re")])
+    main(["--format", "speculators", "--checkpoint", str(exports / "speculators"), "--output",
+          str(tmp_path / "re")])
     assert (tmp_path / "re" / "training_recipe.yaml").read_text() == \
         (exports / "speculators" / "training_recipe.yaml").read_text()
     assert "Full recipe (training_recipe.yaml)" in (tmp_path / "re" / "README.md").read_text()
@@ -389,7 +402,8 @@ def test_an_export_inside_a_run_folder_is_not_carded_as_one_of_its_checkpoints(t
 
     (tmp_path / "final").mkdir()
     (tmp_path / "export0").mkdir()
-    chosen = {"budget": 64, "metric": "ddtree_tau", "step": 4, "folder": "final", "value": 2.0, "validated": {}}
+    chosen = {"budget": 64, "metric": "ddtree_tau", "step": 4, "folder": "final", "value": 2.0,
+              "validated": {}}
     (tmp_path / "summary.json").write_text(json.dumps({"chosen": chosen}))
     assert run_choice(tmp_path / "final")["this"] is True
     assert run_choice(tmp_path / "export0") is None

@@ -37,13 +37,15 @@ def tied_target_dir(tmp_path_factory):
         (tok_dir / name).write_text((tok_dir / name).read_text().replace("<|MASK|>", "<|unused|>"))
     tok = AutoTokenizer.from_pretrained(tok_dir)
     tok.pad_token = tok.eos_token
-    assert "<|MASK|>" not in tok.get_vocab() and tok.convert_tokens_to_ids(MASK) == MASK_ID != tok.pad_token_id
+    assert ("<|MASK|>" not in tok.get_vocab() and tok.convert_tokens_to_ids(MASK) == MASK_ID
+            != tok.pad_token_id)
     config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         bos_token_id=None)
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, bos_token_id=None)
     torch.manual_seed(0)
-    config.initializer_range = 0.1  # greedy output that repeats a token, then moves on (0.02: one token forever)
+    # greedy output that repeats a token, then moves on (0.02: one token forever)
+    config.initializer_range = 0.1
     model = LlamaForCausalLM(config)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
@@ -77,7 +79,8 @@ def test_trains_and_validates_with_the_special_token_mask(run_dir, tied_target_d
     assert val["eal"] >= 1.0 and len(val["acc_per_position"]) == 7 and set(val["ddtree_tau"]) == {"8"}
     drafter, meta = load_drafter(run_dir / "final")
     tok = AutoTokenizer.from_pretrained(tied_target_dir)
-    assert meta["mask_token"] == MASK and drafter.config.mask_token_id == tok.convert_tokens_to_ids(MASK) == MASK_ID
+    assert (meta["mask_token"] == MASK and drafter.config.mask_token_id
+            == tok.convert_tokens_to_ids(MASK) == MASK_ID)
     # the drafter borrows the target's (tied) matrix: its own weights hold no copy of it
     saved = load_file(run_dir / "final" / "model.safetensors")
     assert not {k for k in saved if "embed" in k or "lm_head" in k}
@@ -136,7 +139,8 @@ def test_speculators_loader_takes_the_tied_matrix_as_lm_head(run_dir, tied_targe
     lm_head.weight in the verifier, and the head it uses must still be the embedding matrix."""
     from speculators import SpeculatorModel
 
-    export_main(["--format", "speculators", "--checkpoint", str(run_dir / "final"), "--output", str(tmp_path / "o")])
+    export_main(["--format", "speculators", "--checkpoint", str(run_dir / "final"), "--output",
+                 str(tmp_path / "o")])
     spec = SpeculatorModel.from_pretrained(str(tmp_path / "o"), verifier=str(tied_target_dir)).eval()
     embedding = load_target(str(tied_target_dir)).embed.weight
     torch.testing.assert_close(spec.embed_tokens.weight, embedding, rtol=0, atol=0)

@@ -36,7 +36,8 @@ def export_against(converted, drafter_dir, out, *extra):
     fingerprint = drafter_fingerprint(load_drafter(drafter_dir)[0])
     report = out.parent / "report.json"
     report.write_text(json.dumps(fake_report(fingerprint) | {"target": str(converted),
-                                                             "command": f"dflash-eval --drafter {drafter_dir}"}))
+                                                             "command": f"dflash-eval "
+                                                                        f"--drafter {drafter_dir}"}))
     rc, _, err = run_main(export_main, ["--format", "speculators", "--checkpoint", drafter_dir, "--verifier",
                                         converted, "--eval-report", report, "--output", out, *extra])
     assert rc == 0, err
@@ -70,8 +71,9 @@ def test_any_clone_finds_its_conversion_by_the_pin(converted, trained_drafter_di
     export_against(converted, trained_drafter_dir, out)
     moved = tmp_path / "elsewhere" / "drafter"  # the checkpoint in another folder, as a clone has it
     shutil.copytree(out, moved)
-    rc, _, err = run_main(eval_main, ["--drafter", moved, "--limit", "1", "--budgets", "4", "--max-new-tokens", "8",
-                                      "--repeats", "1", "--output", tmp_path / "eval"])
+    rc, _, err = run_main(eval_main, ["--drafter", moved, "--limit", "1", "--budgets", "4",
+                                      "--max-new-tokens", "8", "--repeats", "1", "--output",
+                                      tmp_path / "eval"])
     assert rc == 0, err
     assert "tiny-converted" in err and "match its pin" in err  # it says which folder it used
     assert json.loads((tmp_path / "eval" / "report.json").read_text())["target"] == HUB_ID
@@ -101,9 +103,11 @@ def test_a_bf16_export_takes_only_reports_of_its_rounded_weights(trained_drafter
     for name, fingerprint in [("fp32", fp32), ("bf16", rounded)]:
         (tmp_path / f"{name}.json").write_text(json.dumps(fake_report(fingerprint)))
     args = ["--format", "speculators", "--checkpoint", trained_drafter_dir, "--dtype", "bf16"]
-    rc, _, err = run_main(export_main, [*args, "--eval-report", tmp_path / "fp32.json", "--output", tmp_path / "a"])
+    rc, _, err = run_main(export_main, [*args, "--eval-report", tmp_path / "fp32.json", "--output",
+                                        tmp_path / "a"])
     assert rc == 2 and "fp32 weights" in error_line(err) and not (tmp_path / "a").exists()
-    rc, _, err = run_main(export_main, [*args, "--eval-report", tmp_path / "bf16.json", "--output", tmp_path / "b"])
+    rc, _, err = run_main(export_main, [*args, "--eval-report", tmp_path / "bf16.json", "--output",
+                                        tmp_path / "b"])
     assert rc == 0, err
     assert drafter_fingerprint(load_drafter(tmp_path / "b")[0]) == rounded  # what its report measured
 

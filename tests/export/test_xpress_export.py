@@ -13,9 +13,9 @@ from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.cli.export import main
 from test_xpress import our_blocks, speculators_forward
 
-REFINER = {f"refiner_head.{k}" for k in ("token_embed.weight", "down_h.weight", "down_g.weight", "in_proj.weight",
-                                         "mix_l", "mlp_gate.weight", "mlp_up.weight", "mlp_down.weight",
-                                         "readout.weight")}
+REFINER = {f"refiner_head.{k}" for k in ("token_embed.weight", "down_h.weight", "down_g.weight",
+                                         "in_proj.weight", "mix_l", "mlp_gate.weight", "mlp_up.weight",
+                                         "mlp_down.weight", "readout.weight")}
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,8 @@ def trained_xpress(tmp_path_factory, small_data):
     train_main([f"output_dir={out}", "max_steps=3", "model.variant=xpress", "model.xpress_rank=16",
                 "model.num_jacobi_passes=5", "model.block_size=6",
                 f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=8", "eval.max_samples=8", "eval.ddtree_budgets=[4, 16]", "checkpoint_every=0"])
+                "train.batch_size=8", "eval.max_samples=8", "eval.ddtree_budgets=[4, 16]",
+                "checkpoint_every=0"])
     return out
 
 
@@ -74,7 +75,8 @@ def test_export_loads_in_speculators_with_our_logits(exported, trained_xpress, t
     tf, _, base = speculators_forward(spec, tiny_target, ids, anchors, monkeypatch)
     o = our_blocks(ours, tiny_target, ids, anchors)
     ours_base = tiny_target.lm_head(o.draft_hidden[0])
-    torch.testing.assert_close(ours_base + ours.refiner_head.readout(o.markov_u[0]), tf[:, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours_base + ours.refiner_head.readout(o.markov_u[0]), tf[:, 1:], rtol=1e-5,
+                               atol=1e-5)
     torch.testing.assert_close(ours_base, base[:, 1:], rtol=1e-5, atol=1e-5)
 
 
@@ -95,7 +97,8 @@ def test_card_says_which_vllm_serves_it(exported):
     assert "xpress" in card.data.tags
     text = card.text
     assert "# XPress drafter for" in text and "causal refiner" in text and "Jacobi" in text
-    assert "No released vLLM serves XPress" in text and "PR #54448" in text and "dflash-eval --drafter" in text
+    assert ("No released vLLM serves XPress" in text and "PR #54448" in text
+            and "dflash-eval --drafter" in text)
     assert "consistency rounds" in text and "vllm serve" not in text
     assert "causal_tril" in text  # speculators 0.9.0's loading leaves it uninitialised
 

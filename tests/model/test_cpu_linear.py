@@ -77,7 +77,8 @@ def test_bf16_weights_stream_the_same_bits_as_their_fp32_values(rows):
     w16 = torch.randn(70, 136, generator=g).bfloat16()
     b = torch.randn(70, generator=g)
     assert torch.equal(stream_linear(x, w16, b), stream_linear(x, w16.float(), b))
-    torch.testing.assert_close(stream_linear(x, w16), (x.double() @ w16.double().T).float(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(stream_linear(x, w16), (x.double() @ w16.double().T).float(), rtol=1e-5,
+                               atol=1e-3)
 
 
 @needs_kernel
@@ -87,7 +88,8 @@ def test_a_linear_keeps_a_bf16_copy_only_when_it_loses_nothing_and_drops_it_when
         exact.weight.copy_(exact.weight.bfloat16().float())  # bf16 values held in fp32 (a bf16 export)
     x = torch.randn(3, 64)
     with torch.no_grad():
-        want_exact, want_inexact = stream_linear(x, exact.weight, exact.bias), stream_linear(x, inexact.weight,
+        want_exact, want_inexact = stream_linear(x, exact.weight,
+                                                 exact.bias), stream_linear(x, inexact.weight,
                                                                                           inexact.bias)
     use_stream_linear(exact), use_stream_linear(inexact)
     assert exact.weight_bf16 is not None and exact.weight_bf16.dtype == torch.bfloat16
@@ -109,7 +111,8 @@ def test_a_linear_keeps_a_bf16_copy_only_when_it_loses_nothing_and_drops_it_when
 
 def test_only_fp32_cpu_linears_with_whole_vectors_switch():
     strided = nn.Linear(64, 8)
-    strided.weight = nn.Parameter(torch.randn(64, 8).T)  # [8, 64] but not contiguous: would be copied per call
+    # [8, 64] but not contiguous: would be copied per call
+    strided.weight = nn.Parameter(torch.randn(64, 8).T)
     model = nn.Sequential(nn.Linear(64, 8), nn.Linear(12, 8), nn.Linear(64, 8).to(torch.bfloat16), strided)
     n, why = use_stream_linear(model)
     if why is not None:

@@ -19,9 +19,10 @@ N = len(KEPT)
 
 
 def make_drafter(draft_vocab_size, vocab_size=V) -> DFlashDrafter:
-    return DFlashDrafter(DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                       num_key_value_heads=1, head_dim=16, vocab_size=vocab_size, block_size=4,
-                                       mask_token_id=vocab_size - 1, target_layer_ids=[1], num_target_layers=4,
+    return DFlashDrafter(DrafterConfig(hidden_size=H, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                       vocab_size=vocab_size, block_size=4, mask_token_id=vocab_size - 1,
+                                       target_layer_ids=[1], num_target_layers=4,
                                        draft_vocab_size=draft_vocab_size))
 
 
@@ -145,7 +146,8 @@ def test_identity_vocabulary_gives_the_full_vocabulary_loss(weighting, chunk_slo
         new, g_new, m_new = loss_and_grad(h, t_hidden, drafter.lm_head, tokens, valid, cfg, labels=labels)
         torch.testing.assert_close(new, old, rtol=1e-6, atol=0)
         torch.testing.assert_close(g_new, g_old, rtol=1e-5, atol=1e-8)
-        assert torch.equal(m_new["correct"], m_old["correct"]) and torch.equal(m_new["labels"], m_old["labels"])
+        assert (torch.equal(m_new["correct"], m_old["correct"]) and torch.equal(m_new["labels"],
+                                                                                m_old["labels"]))
         torch.testing.assert_close(m_new["terms"], m_old["terms"], rtol=1e-6, atol=0)
     assert bool((m_new["alpha"] == 0).all())  # no target logits: alpha reported as 0
     assert bool((m_old["alpha"] > 0).any())

@@ -31,7 +31,8 @@ def block_logits_train(target, drafter, cfg, ids, anchors):
     A = anchors.shape[1]
     block = torch.full((1, A, B), cfg.mask_token_id)
     block[:, :, 0] = ids.gather(1, anchors)
-    hidden = drafter(target.embed(block.view(1, A * B)), taps, anchors, torch.ones_like(ids, dtype=torch.bool))
+    hidden = drafter(target.embed(block.view(1, A * B)), taps, anchors,
+                     torch.ones_like(ids, dtype=torch.bool))
     return target.lm_head(hidden).view(A, B, -1)
 
 
@@ -161,10 +162,11 @@ def test_drafter_state_is_only_its_own_weights(setup):
     expected_top = {"fc.weight", "hidden_norm.weight", "norm.weight"}
     assert expected_top <= names
     per_layer = {"input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
-                 "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                 "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
-                 "self_attn.k_norm.weight"}
-    assert names == expected_top | {f"layers.{i}.{n}" for i in range(cfg.num_hidden_layers) for n in per_layer}
+                 "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight",
+                 "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                 "self_attn.q_norm.weight", "self_attn.k_norm.weight"}
+    assert (names == expected_top | {f"layers.{i}.{n}" for i in range(cfg.num_hidden_layers)
+                                     for n in per_layer})
     target_ptrs = {p.data_ptr() for p in target.model.parameters()}
     assert not any(p.data_ptr() in target_ptrs for p in drafter.parameters())
     assert drafter.fc.weight.shape == (cfg.hidden_size, len(cfg.target_layer_ids) * cfg.hidden_size)
@@ -179,7 +181,8 @@ def test_block_forward_equals_speculators_layers(setup):
     qcfg = cfg.qwen3_config()
     qcfg._attn_implementation = "sdpa"
     layers = torch.nn.ModuleList(spec.Qwen3DFlashDecoderLayer(qcfg, i) for i in range(cfg.num_hidden_layers))
-    layers.load_state_dict({k[len("layers."):]: v for k, v in drafter.state_dict().items() if k.startswith("layers.")})
+    layers.load_state_dict({k[len("layers."):]: v for k, v in drafter.state_dict().items()
+                            if k.startswith("layers.")})
     layers.eval()
 
     ids = torch.randint(0, 1000, (1, 21))
@@ -216,7 +219,8 @@ def test_flex_block_mask_equals_the_dense_mask(causal):
     dense = anchored_block_mask(anchors, ctx_valid, 4, causal)
     assert torch.equal(create_mask(flex.mask_mod, 2, 1, 16, 46, device="cpu"), dense)
     in_block = dense[0, 0, 4:8, 30 + 4 : 30 + 8]  # block 1's slots against block 1's slots
-    assert torch.equal(in_block, torch.tril(torch.ones(4, 4, dtype=torch.bool)) if causal else torch.ones(4, 4, dtype=torch.bool))
+    assert torch.equal(in_block, torch.tril(torch.ones(4, 4, dtype=torch.bool)) if causal
+                       else torch.ones(4, 4, dtype=torch.bool))
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +286,8 @@ def test_flex_training_forward_matches_sdpa(setup):
             out = drafter(embeds.detach(), taps, anchors, torch.ones_like(ids, dtype=torch.bool))
         if grads:
             out.square().mean().backward()
-            results.append((out.detach(), drafter.fc.weight.grad.clone(), drafter.layers[0].self_attn.q_proj.weight.grad.clone()))
+            results.append((out.detach(), drafter.fc.weight.grad.clone(),
+                            drafter.layers[0].self_attn.q_proj.weight.grad.clone()))
         else:
             results.append((out,))
     drafter.flex_attention = False

@@ -69,8 +69,8 @@ def test_slot_weights_equal_speculators(shape):
     ce = slot_terms(draft, target, target.argmax(-1), ["ce"])[0]["ce"].reshape(n, K)
     for a in (0.5, 0.2, 1.0):
         ref = dpace_loss_decay(pos, mask, K + 1, a, with_anchor_slot(ce * valid.reshape(n, K)))
-        torch.testing.assert_close(dpace_weights(ce, valid.reshape(n, K), a), ref.reshape(n, K + 1)[:, 1:].double(),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(dpace_weights(ce, valid.reshape(n, K), a),
+                                   ref.reshape(n, K + 1)[:, 1:].double(), rtol=1e-6, atol=1e-6)
 
 
 def spec_loss(draft, target, valid, spec_terms: dict, decay_fn):
@@ -100,8 +100,10 @@ def test_weighted_losses_equal_speculators(shape):
         ({"lk_hybrid": 1.0}, "uniform", lambda pos, **kw: torch.ones_like(pos)),
     ]:
         cfg = LossConfig(terms=terms, position_weight=weighting, gamma=3.0, lk_eta=2.5, chunk_slots=0)
-        ours, _ = dflash_loss(draft, target, torch.nn.Identity(), target.argmax(-1), valid, cfg, normalizer=count)
-        torch.testing.assert_close(ours, spec_loss(draft, target, valid, terms, decay).double(), rtol=1e-6, atol=1e-6)
+        ours, _ = dflash_loss(draft, target, torch.nn.Identity(), target.argmax(-1), valid, cfg,
+                              normalizer=count)
+        torch.testing.assert_close(ours, spec_loss(draft, target, valid, terms, decay).double(), rtol=1e-6,
+                                   atol=1e-6)
 
 
 def test_loss_matches_float64_recomputation():
@@ -131,8 +133,10 @@ def test_loss_matches_float64_recomputation():
 
 
 def test_until_first_failure_mask():
-    correct = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 0, 0, 1, 0]], dtype=torch.bool)
-    valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 1, 1, 1]], dtype=torch.bool)
+    correct = torch.tensor([[1, 1, 0, 1, 1], [0, 1, 1, 1, 1], [1, 1, 1, 1, 1], [1, 0, 0, 1, 0]],
+                           dtype=torch.bool)
+    valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 1, 1, 1]],
+                         dtype=torch.bool)
     keep = until_first_failure(correct, valid)
     assert keep.long().tolist() == [[1, 1, 1, 0, 0],  # through the miss at slot 3
                                     [1, 0, 0, 0, 0],  # a miss at slot 1: only slot 1
@@ -154,14 +158,16 @@ def test_until_first_failure_supervises_exactly_through_the_first_miss(weighting
     one_hot = torch.nn.functional.one_hot(labels, 9).double()
     draft = torch.where(correct[..., None], draft.abs().amax() * 2 * one_hot, draft - 50 * one_hot)
     draft.requires_grad_()
-    cfg = LossConfig(terms={"ce": 1.0, "tv": 1.0}, position_weight=weighting, until_first_failure=True, chunk_slots=0)
+    cfg = LossConfig(terms={"ce": 1.0, "tv": 1.0}, position_weight=weighting, until_first_failure=True,
+                     chunk_slots=0)
     loss, m = dflash_loss(draft, target, torch.nn.Identity(), labels, valid, cfg)
     assert torch.equal(m["correct"], correct & valid)
     loss.backward()
     reached = draft.grad.abs().sum(-1) > 0
     # the first *valid* miss: invalid slots are passed over
     ok = correct | ~valid
-    expect = valid & (torch.cumprod(torch.cat([torch.ones_like(ok[..., :1]), ok[..., :-1]], -1).long(), -1) > 0)
+    expect = valid & (torch.cumprod(torch.cat([torch.ones_like(ok[..., :1]), ok[..., :-1]], -1).long(),
+                                    -1) > 0)
     assert torch.equal(reached, expect) and (expect.sum() < valid.sum())
     without = cfg.model_copy(update={"until_first_failure": False})
     full, _ = dflash_loss(draft, target, torch.nn.Identity(), labels, valid, without)
@@ -189,7 +195,8 @@ def test_chunked_loss_equals_unchunked(terms, weighting, auf, chunk_slots):
     for c in (0, chunk_slots):
         cfg = LossConfig(terms=terms, position_weight=weighting, until_first_failure=auf, chunk_slots=c)
         x = h.clone().requires_grad_()
-        loss, m = dflash_loss(x, th, head, tokens, valid, cfg, normalizer=torch.tensor(7.0, dtype=torch.float64))
+        loss, m = dflash_loss(x, th, head, tokens, valid, cfg,
+                              normalizer=torch.tensor(7.0, dtype=torch.float64))
         (3.0 * loss).backward()
         out[c] = (loss.detach(), x.grad, m)
     (l0, g0, m0), (l1, g1, m1) = out[0], out[chunk_slots]
@@ -200,7 +207,8 @@ def test_chunked_loss_equals_unchunked(terms, weighting, auf, chunk_slots):
         torch.testing.assert_close(m1[key], m0[key], rtol=1e-12, atol=1e-12)
     assert torch.equal(m1["labels"], m0["labels"]) and torch.equal(m1["correct"], m0["correct"])
     with torch.no_grad():  # validation's path: no gradient kept, same numbers
-        nog, m2 = dflash_loss(h, th, head, tokens, valid, cfg, normalizer=torch.tensor(7.0, dtype=torch.float64))
+        nog, m2 = dflash_loss(h, th, head, tokens, valid, cfg,
+                              normalizer=torch.tensor(7.0, dtype=torch.float64))
     torch.testing.assert_close(nog, l0, rtol=1e-12, atol=1e-12)
 
 
@@ -208,8 +216,8 @@ def test_chunked_loss_needs_a_frozen_head():
     head = torch.nn.Linear(4, 10, bias=False)
     h = torch.randn(1, 2, 3, 4, requires_grad=True)
     with pytest.raises(ValueError, match="frozen LM head"):
-        dflash_loss(h, h.detach(), head, torch.zeros(1, 2, 3, dtype=torch.long), torch.ones(1, 2, 3, dtype=torch.bool),
-                    LossConfig(chunk_slots=3))
+        dflash_loss(h, h.detach(), head, torch.zeros(1, 2, 3, dtype=torch.long),
+                    torch.ones(1, 2, 3, dtype=torch.bool), LossConfig(chunk_slots=3))
 
 
 def test_split_batches_with_the_step_divisor_sum_to_the_whole():
@@ -247,5 +255,6 @@ def test_acceptance_metrics_count_the_chain():
     assert m["acc_per_position"] == [2 / 3, 1.0, 2 / 3, 1.0]
     assert m["alpha_per_position"] == pytest.approx([0.5, 0.5, 1 / 3, 0.75])  # the 0.9 is past block 2's end
     # counts from two halves add up to the whole
-    c = acceptance_counts(correct[:1], valid[:1], alpha[:1]) + acceptance_counts(correct[1:], valid[1:], alpha[1:])
+    c = (acceptance_counts(correct[:1], valid[:1], alpha[:1]) + acceptance_counts(correct[1:], valid[1:],
+                                                                                  alpha[1:]))
     assert acceptance_metrics(c) == m

@@ -43,6 +43,7 @@ def test_same_generator_state_same_draws():
 def test_u_rounded_up_to_the_total_takes_the_last_token_with_probability(monkeypatch):
     """u * total can round to the total when u is within ~1e-16 of 1: the draw must still be a token
     of positive probability (the last one), not the index past the end or a trailing zero."""
-    monkeypatch.setattr(sampling.torch, "rand", lambda n, generator=None, dtype=None: torch.ones(n, dtype=dtype))
+    monkeypatch.setattr(sampling.torch, "rand",
+                        lambda n, generator=None, dtype=None: torch.ones(n, dtype=dtype))
     p = torch.tensor([[0.25, 0.5, 0.25, 0.0, 0.0], [0.2, 0.2, 0.2, 0.2, 0.2]])
     assert sample_rows(p, None).tolist() == [2, 4]

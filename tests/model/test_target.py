@@ -17,7 +17,8 @@ def test_taps_read_decoder_layer_outputs(tiny_target):
     checked against forward hooks on the decoder layers themselves."""
     layers = tiny_target.model.get_decoder().layers
     seen = {}
-    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: seen.__setitem__(k, o[0] if isinstance(o, tuple) else o))
+    hooks = [layer.register_forward_hook(
+                 lambda m, i, o, k=k: seen.__setitem__(k, o[0] if isinstance(o, tuple) else o))
              for k, layer in enumerate(layers)]
     try:
         ids = torch.randint(0, 1000, (2, 12))
@@ -45,7 +46,8 @@ def test_bad_taps_rejected(ids, msg):
 @pytest.mark.parametrize("how, message", [
     ("missing", r"its weights do not match its config.json: 22 missing \(e.g. model.layers.8."),
     ("unexpected", r"its weights do not match its config.json: 22 unexpected \(e.g. model.layers.6."),
-    ("mis-shaped", r"its weights do not match its config.json: 24 of the wrong shape \(e.g. model.layers.0.mlp"),
+    ("mis-shaped", r"its weights do not match its config.json: 24 of the wrong shape \(e.g. "
+                   r"model.layers.0.mlp"),
     ("garbage", r"cannot load target .*: Error while deserializing header"),
 ])
 def test_a_target_its_weights_do_not_fill_is_refused(tmp_path, how, message):

@@ -25,7 +25,8 @@ def test_drafter_layers_start_as_the_targets_top_layers(arch, qwen3_random_targe
             if name in theirs:
                 assert torch.equal(t, theirs[name]), name
             else:  # Llama has no q_norm / k_norm: they keep their ones
-                assert arch == "llama" and name.endswith(("q_norm.weight", "k_norm.weight")) and bool((t == 1).all())
+                assert (arch == "llama" and name.endswith(("q_norm.weight", "k_norm.weight"))
+                        and bool((t == 1).all()))
         assert set(theirs) <= set(layer.state_dict())
     assert torch.equal(drafter.norm.weight, decoder.norm.weight)
     fresh = init_drafter(target, ModelConfig(target=str(folder), num_layers=2, mask_token_id=5))

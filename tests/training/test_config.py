@@ -34,7 +34,8 @@ def test_overrides_are_typed_and_nested():
     ("train.betas=[0.9, 1.0]", r"'train.betas.1': Input should be less than 1"),
     ("train.betas=[-0.1, 0.9]", r"'train.betas.0': Input should be greater than or equal to 0"),
     ("eval.ddtree_budgets=[16, -4]", r"'eval.ddtree_budgets.1': Input should be greater than or equal to 0"),
-    ("loss.ce_weight=0.5", r"'loss.ce_weight' was replaced by loss.terms \(ce_weight: 1.0, kl_weight: 0.5 -> terms: "),
+    ("loss.ce_weight=0.5", r"'loss.ce_weight' was replaced by loss.terms \(ce_weight: 1.0, "
+                           r"kl_weight: 0.5 -> terms: "),
     ("loss.kl_weight=0.5", "'loss.kl_weight' was replaced by loss.terms"),
     ("loss.terms={ce: 0, tv: 0}", "no term with a positive weight"),
     ("loss.terms={ce: -1}", "'loss.terms.ce'"),
@@ -49,7 +50,8 @@ def test_recipe_errors_name_the_key(override, message):
 
 
 def test_loss_terms_from_the_command_line():
-    cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["loss.terms={ce: 0.1, tv: 0.9}", "loss.position_weight=dpace"])
+    cfg = load_recipe(ROOT / "recipes/tiny.yaml",
+                      ["loss.terms={ce: 0.1, tv: 0.9}", "loss.position_weight=dpace"])
     assert cfg.loss.terms == {"ce": 0.1, "tv": 0.9} and cfg.loss.position_weight == "dpace"
     cfg = load_recipe(ROOT / "recipes/tiny.yaml", ["loss.terms.kl=0.5"])  # one more term beside the recipe's
     assert cfg.loss.terms == {"ce": 1.0, "kl": 0.5}
@@ -61,10 +63,12 @@ def test_dict_and_list_overrides_as_hydra_and_yaml_spell_them(override):
     """Hydra's `{tv:1.0}` (YAML alone reads it as the key 'tv:1.0' with no value) and YAML's `{tv: 1.0}`."""
     assert load_recipe(ROOT / "recipes/tiny.yaml", [override]).loss.terms == {"tv": 1.0, "kl": 0.5}
     for spelling in ["[1,5]", "[1, 5]"]:
-        assert load_recipe(ROOT / "recipes/tiny.yaml", [f"model.target_layer_ids={spelling}"]).model.target_layer_ids \
+        assert load_recipe(ROOT / "recipes/tiny.yaml",
+                           [f"model.target_layer_ids={spelling}"]).model.target_layer_ids \
             == [1, 5]
     # a colon in a plain value is left alone
-    assert load_recipe(ROOT / "recipes/tiny.yaml", ["model.target=hf://org/name"]).model.target == "hf://org/name"
+    assert (load_recipe(ROOT / "recipes/tiny.yaml", ["model.target=hf://org/name"]).model.target
+            == "hf://org/name")
 
 
 @pytest.mark.parametrize("override", ["loss.terms.ce=.inf", "train.lr=.nan", "loss.gamma=.inf",

@@ -32,21 +32,24 @@ def test_final_holds_the_vocabulary_of_the_data_and_the_targets_rows(run, small_
     kept, counts = reference_vocab(small_data, DRAFT_VOCAB)
     assert len(counts) > DRAFT_VOCAB  # the ranking decided, not the padding
     saved = load_file(out / "final" / "model.safetensors")
-    assert saved["lm_head.weight"].shape == (DRAFT_VOCAB, 128) and saved["lm_head.weight"].dtype == torch.float32
+    assert (saved["lm_head.weight"].shape == (DRAFT_VOCAB, 128) and saved["lm_head.weight"].dtype
+            == torch.float32)
     assert saved["d2t"].dtype == torch.int64 and saved["d2t"].shape == (DRAFT_VOCAB,)
     assert saved["t2d"].dtype == torch.bool and saved["t2d"].shape == (V,)
     assert (saved["d2t"] + torch.arange(DRAFT_VOCAB)).tolist() == kept
     assert saved["t2d"].nonzero().flatten().tolist() == kept
     # the frozen head is the target's rows of the kept ids, untouched by 40 steps of training
     assert torch.equal(saved["lm_head.weight"], tiny_target.lm_head.weight[kept])
-    assert json.loads((out / "final" / "config.json").read_text())["drafter"]["draft_vocab_size"] == DRAFT_VOCAB
+    assert (json.loads((out / "final"
+                        / "config.json").read_text())["drafter"]["draft_vocab_size"] == DRAFT_VOCAB)
     drafter, _ = load_drafter(out / "final")
     assert drafter.config.draft_vocab_size == DRAFT_VOCAB and drafter.draft_vocab.kept.tolist() == kept
     covered = sum(counts[t] for t in kept) / sum(counts.values())
-    assert f"draft vocabulary: {DRAFT_VOCAB} of {V} tokens, covering {covered:.1%} of data.train's supervised " \
-           "tokens" in stdout
+    assert (f"draft vocabulary: {DRAFT_VOCAB} of {V} tokens, covering {covered:.1%} of data.train's "
+            "supervised tokens" in stdout)
     ckpt = load_file(out / "checkpoints" / "step_000020" / "model.safetensors")
-    assert torch.equal(ckpt["d2t"], saved["d2t"]) and torch.equal(ckpt["lm_head.weight"], saved["lm_head.weight"])
+    assert (torch.equal(ckpt["d2t"], saved["d2t"]) and torch.equal(ckpt["lm_head.weight"],
+                                                                   saved["lm_head.weight"]))
 
 
 def test_alpha_is_recorded_on_log_steps_only(run):
@@ -100,8 +103,8 @@ def test_init_from_keeps_its_vocabulary_on_other_data(run, small_data, tmp_path)
     for k in ("d2t", "t2d", "lm_head.weight"):
         assert torch.equal(end[k], start[k]), k
     assert (end["d2t"] + torch.arange(DRAFT_VOCAB)).tolist() == kept
-    code, _, stderr = run_main(main, [f"output_dir={tmp_path / 'ft1'}", *argv[1:3], "model.draft_vocab_size=64",
-                                      *argv[4:]])
+    code, _, stderr = run_main(main, [f"output_dir={tmp_path / 'ft1'}", *argv[1:3],
+                                      "model.draft_vocab_size=64", *argv[4:]])
     assert code == 2
     assert "model.init_from drafter has draft_vocab_size 128 but the recipe gives 64" in error_line(stderr)
     code, _, stderr = run_main(main, [f"output_dir={tmp_path / 'ft2'}",
@@ -111,7 +114,8 @@ def test_init_from_keeps_its_vocabulary_on_other_data(run, small_data, tmp_path)
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["model.draft_vocab_size=1"], "'model.draft_vocab_size': Input should be greater than or equal to 2 (got 1)"),
+    (["model.draft_vocab_size=1"], "'model.draft_vocab_size': Input should be greater than or "
+                                   "equal to 2 (got 1)"),
     ([f"model.draft_vocab_size={V + 1}"], f"model.draft_vocab_size {V + 1} must be in 2..{V - 1}"),
     (["model.draft_vocab_size=64", "model.variant=dspark", "model.markov_rank=8"],
      "model.draft_vocab_size is for variants dflash and xpress: model.variant=dspark"),
@@ -120,7 +124,8 @@ def test_init_from_keeps_its_vocabulary_on_other_data(run, small_data, tmp_path)
 ])
 def test_bad_draft_vocab_sizes_are_one_line_exit_2(extra, message, small_data, tmp_path):
     out = tmp_path / "o"
-    code, _, stderr = run_main(main, [f"output_dir={out}", "max_steps=1", f"data.train={small_data / 'train.jsonl'}",
+    code, _, stderr = run_main(main, [f"output_dir={out}", "max_steps=1",
+                                      f"data.train={small_data / 'train.jsonl'}",
                                       f"data.val={small_data / 'val.jsonl'}", *extra])
     assert code == 2
     assert message in error_line(stderr)
@@ -181,7 +186,8 @@ def counted_run(out, small_data, monkeypatch, *extra) -> tuple[list[dict], dict[
     return metrics(out), calls
 
 
-def test_a_ce_step_on_a_labels_cache_never_calls_the_full_lm_head(labels_cache, small_data, tmp_path, monkeypatch):
+def test_a_ce_step_on_a_labels_cache_never_calls_the_full_lm_head(labels_cache, small_data, tmp_path,
+                                                                  monkeypatch):
     """With the cache's labels, no training step applies the target's [V, H] head (alpha on log steps
     comes from the N-row head); the losses are those of labels taken from the full head (a cache
     without labels) and of online training."""

@@ -29,10 +29,12 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def command(config: str, out: Path, small_data: Path, processes: int = 2, steps: int = STEPS) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / config),
-            "--num_processes", str(processes), "--main_process_port", "0",  # a free port: other launches may run beside
+            # a free port: other launches may run beside
+            "--num_processes", str(processes), "--main_process_port", "0",
             "dflash_train/train.py", f"output_dir={out}", "seed=7",
             f"max_steps={steps}", "checkpoint_every=2", "train.batch_size=4", "data.num_anchors=16",
-            f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}", "eval.max_samples=8"]
+            f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
+            "eval.max_samples=8"]
 
 
 def run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
@@ -93,7 +95,8 @@ def test_engine_trains_like_ddp_and_resumes_after_sigkill(config, engine, ddp_ru
         if proc.poll() is not None or time.time() > deadline:
             what = "ended" if proc.returncode is not None else "hung"
             kill_tree(proc)
-            pytest.fail(f"training {what} before the kill at step 2; its output ends:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"training {what} before the kill at step 2; its output "
+                        f"ends:\n{log.read_text()[-3000:]}")
         time.sleep(0.02)
     kill_tree(proc)
     assert not (out / "summary.json").exists(), "training ended before the kill"
@@ -107,7 +110,8 @@ def test_engine_trains_like_ddp_and_resumes_after_sigkill(config, engine, ddp_ru
     mine, ddp = records(out), records(ddp_run)
     assert sorted(mine) == list(range(1, STEPS + 1))
     assert [mine[s]["loss"] for s in mine] == pytest.approx([ddp[s]["loss"] for s in mine], rel=1e-5)
-    assert [mine[s]["grad_norm"] for s in mine] == pytest.approx([ddp[s]["grad_norm"] for s in mine], rel=1e-4)
+    assert ([mine[s]["grad_norm"] for s in mine] == pytest.approx([ddp[s]["grad_norm"] for s in mine],
+                                                                  rel=1e-4))
     assert_same_weights(out / "final", ddp_run / "final")  # full, unsharded weights in our format
     if engine == "deepspeed":  # the engine's own sharded state rides in every checkpoint
         assert (out / "checkpoints" / "step_000002" / "deepspeed").is_dir()
@@ -177,7 +181,8 @@ def test_heads_under_fsdp_train_like_one_process(small_data, tmp_path, variant, 
         train_main([a for a in args[args.index("dflash_train/train.py") + 1:] if a != "train.batch_size=4"]
                    + ["train.batch_size=8"] + variant)
     a, b = records(sharded), records(other)
-    assert [a[s]["loss"] for s in range(1, steps + 1)] == pytest.approx([b[s]["loss"] for s in range(1, steps + 1)],
+    assert [a[s]["loss"] for s in range(1, steps + 1)] == pytest.approx([b[s]["loss"]
+                                                                         for s in range(1, steps + 1)],
                                                                          rel=1e-5)
     assert_same_weights(sharded / "final", other / "final")
 

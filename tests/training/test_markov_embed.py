@@ -30,7 +30,8 @@ def schedule(step: int) -> float:
 def batches(n: int, seen: int):
     """Predecessors drawn from the first `seen` tokens only: the rest never precede anything."""
     g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, seen, (32,), generator=g), torch.randint(0, V, (32,), generator=g)) for _ in range(n)]
+    return [(torch.randint(0, seen, (32,), generator=g), torch.randint(0, V, (32,), generator=g))
+            for _ in range(n)]
 
 
 def test_folding_follows_the_unfolded_parametrisation_and_trains_unseen_rows():
@@ -44,7 +45,8 @@ def test_folding_follows_the_unfolded_parametrisation_and_trains_unseen_rows():
     ref_w2.load_state_dict(head.markov_w2.state_dict())
     basis = embed / embed.norm(dim=1).mean()
     lr, betas = 1e-2, (0.9, 0.95)
-    ref_opt = torch.optim.AdamW([{"params": [ref_t, ref_w2.weight]}, {"params": [ref_p], "lr": lr / math.sqrt(H)}],
+    ref_opt = torch.optim.AdamW([{"params": [ref_t, ref_w2.weight]},
+                                 {"params": [ref_p], "lr": lr / math.sqrt(H)}],
                                 lr=lr, betas=betas, weight_decay=0.0)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, betas=betas, weight_decay=0.0)
@@ -113,7 +115,8 @@ def test_a_run_resumes_exactly_saves_a_plain_dspark_head_and_decodes_losslessly(
     for p in [cut / "final", cut / "checkpoints" / "step_000004"]:
         shutil.rmtree(p, ignore_errors=True)
     (cut / "summary.json").unlink()
-    assert load_checkpoint(cut / "checkpoints" / "step_000002")[1]["markov_embed"]["opt"]["state"]  # P's moments
+    # P's moments
+    assert load_checkpoint(cut / "checkpoints" / "step_000002")[1]["markov_embed"]["opt"]["state"]
     run(tmp_path, small_data, "cut")
     assert "resumed_from_step" in json.loads((cut / "summary.json").read_text())
     a, b = load_drafter(full / "final")[0], load_drafter(cut / "final")[0]
@@ -122,8 +125,10 @@ def test_a_run_resumes_exactly_saves_a_plain_dspark_head_and_decodes_losslessly(
 
     config = json.loads((full / "final" / "config.json").read_text())
     assert "markov_w1_embed" not in json.dumps(config)  # the served head is the plain table
-    export_main(["--format", "speculators", "--checkpoint", str(full / "final"), "--output", str(tmp_path / "spec")])
-    assert "folded into the table every step (model.markov_w1_embed)" in (tmp_path / "spec" / "README.md").read_text()
+    export_main(["--format", "speculators", "--checkpoint", str(full / "final"), "--output",
+                 str(tmp_path / "spec")])
+    assert ("folded into the table every step (model.markov_w1_embed)" in (tmp_path / "spec"
+                                                                           / "README.md").read_text())
     spec = load_drafter(tmp_path / "spec")[0]
     torch.testing.assert_close(spec.markov_head.markov_w1.weight, a.markov_head.markov_w1.weight)
     eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "1", "--budgets", "8", "--max-new-tokens", "8",
@@ -137,5 +142,6 @@ def test_it_is_refused_without_a_markov_head():
     from dflash_train.core.errors import UserError
 
     for variant in (["model.variant=dflash"], ["model.variant=dspark", "model.markov_rank=0"]):
-        with pytest.raises(UserError, match=r"^recipe '.*': model.markov_w1_embed trains DSpark's Markov W1 .* has none$"):
+        with pytest.raises(UserError, match=r"^recipe '.*': model.markov_w1_embed trains DSpark's "
+                                            r"Markov W1 .* has none$"):
             load_recipe(None, ["model.markov_w1_embed=true", *variant])

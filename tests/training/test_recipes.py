@@ -26,8 +26,9 @@ def test_real_target_recipes(name):
     assert cfg.data.num_anchors == 512 and cfg.data.max_length == 3072
 
 
-@pytest.mark.parametrize("name, kind, n", [("single_gpu", "NO", 1), ("ddp", "MULTI_GPU", 8), ("fsdp", "FSDP", 8),
-                                           ("deepspeed_zero2", "DEEPSPEED", 8), ("deepspeed_zero3", "DEEPSPEED", 8)])
+@pytest.mark.parametrize("name, kind, n", [("single_gpu", "NO", 1), ("ddp", "MULTI_GPU", 8),
+                                           ("fsdp", "FSDP", 8), ("deepspeed_zero2", "DEEPSPEED", 8),
+                                           ("deepspeed_zero3", "DEEPSPEED", 8)])
 def test_accelerate_configs_parse(name, kind, n):
     from accelerate.commands.config.config_args import load_config_from_file
 
@@ -60,7 +61,8 @@ def test_deepspeed_configs_parse(stage):
     H = 4096  # Qwen3-8B's hidden size, as accelerate fills the ZeRO-3 bucket sizes
     filled = _fill_auto(json.loads(path.read_text()), {
         "train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0, "bf16.enabled": True,
-        "zero_optimization.reduce_bucket_size": H * H, "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * H * H),
+        "zero_optimization.reduce_bucket_size": H * H,
+        "zero_optimization.stage3_prefetch_bucket_size": int(0.9 * H * H),
         "zero_optimization.stage3_param_persistence_threshold": 10 * H})
     ds = DeepSpeedConfig(filled)
     assert ds.zero_optimization_stage == stage and ds.gradient_clipping == 1.0 and ds.bfloat16_config.enabled
@@ -86,7 +88,8 @@ def test_dspark_recipes_are_their_dflash_recipe_plus_dspark(name):
     assert dspark["output_dir"] == dflash["output_dir"] + "-dspark"
     assert dspark["loss"]["terms"] == {"ce": 0.1, "tv": 0.9} and dspark["loss"]["position_weight"] == "exp"
     assert dspark["loss"]["confidence_weight"] == 1.0
-    dspark_keys = {("model", k) for k in ("variant", "markov_rank", "markov_head_type", "confidence_head")} | {
+    dspark_keys = {("model", k) for k in ("variant", "markov_rank", "markov_head_type",
+                                          "confidence_head")} | {
         ("loss", "terms"), ("loss", "position_weight")}
     for section, values in dflash.items():
         if isinstance(values, dict):
@@ -116,7 +119,8 @@ def test_dflash2_recipes_are_their_dflash_recipe_plus_dflash2(name):
     dflash = load_recipe(ROOT / "recipes" / f"{name}.yaml").model_dump()
     dflash2 = load_recipe(ROOT / "recipes" / f"{name}-dflash2.yaml").model_dump()
     m = dflash2["model"]
-    assert (m["variant"], m["conv_kernel_size"], m["conv_group_size"], m["selector_rank"], m["selector_top_k"]) == (
+    assert (m["variant"], m["conv_kernel_size"], m["conv_group_size"], m["selector_rank"],
+            m["selector_top_k"]) == (
         "dflash2", 2, 16, 256, 16)
     assert dflash2["loss"]["selector_weight"] == 1.0
     assert dflash2["output_dir"] == dflash["output_dir"] + "-dflash2"
@@ -154,7 +158,8 @@ def test_the_continue_recipe_trains_on_from_the_committed_drafter_with_its_shape
     assert m.num_layers == trained["transformer_layer_config"]["num_hidden_layers"]
     assert (m.block_size, m.draft_vocab_size) == (trained["block_size"], trained["draft_vocab_size"])
     assert [i + 1 for i in m.target_layer_ids] == trained["aux_hidden_state_layer_ids"]
-    assert (m.target_layer_ids, m.mask_token, m.block_size) == (base.model.target_layer_ids, base.model.mask_token,
+    assert (m.target_layer_ids, m.mask_token, m.block_size) == (base.model.target_layer_ids,
+                                                                base.model.mask_token,
                                                                  base.model.block_size)
     assert cfg.data.val == base.data.val and cfg.data.train != base.data.train
     assert (cfg.loss, cfg.data.max_length, cfg.data.num_anchors) == (base.loss, base.data.max_length,
@@ -178,7 +183,8 @@ def test_the_xpress_recipe_grows_from_the_committed_drafter():
     for key in ("num_layers", "block_size", "target_layer_ids", "mask_token", "draft_vocab_size"):
         assert getattr(m, key) == getattr(cont.model, key), key
     assert (cfg.loss.terms, cfg.loss.position_weight, cfg.loss.gamma) == ({"ce": 0.1, "tv": 0.9}, "exp", 4.0)
-    assert (cfg.loss.consistency_weight, cfg.loss.consistency_passes, cfg.loss.base_anchor_weight) == (0.3, 3, 0.6)
+    assert ((cfg.loss.consistency_weight, cfg.loss.consistency_passes, cfg.loss.base_anchor_weight)
+            == (0.3, 3, 0.6))
     dflash, _ = load_drafter(ROOT / m.init_from)
     c = dflash.config
     grown = DFlashDrafter(type(c)(**{**c.to_dict(), "variant": "xpress", "xpress_rank": m.xpress_rank,
@@ -199,5 +205,6 @@ def test_the_xpress_recipe_builds_on_the_real_target():
 
     cfg = load_recipe(ROOT / "recipes" / "smollm2-135m-xpress.yaml")
     target = load_target(str(ROOT / cfg.model.target))
-    drafter = init_drafter(target, cfg.model.model_copy(update={"init_from": str(ROOT / cfg.model.init_from)}))
+    drafter = init_drafter(target,
+                           cfg.model.model_copy(update={"init_from": str(ROOT / cfg.model.init_from)}))
     assert drafter.config.variant == "xpress" and drafter.config.draft_vocab_size == 16384

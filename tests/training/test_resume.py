@@ -10,6 +10,7 @@ def test_the_deploy_budget_may_change_on_resume_and_the_math_may_not(tmp_path):
     from dflash_train.training.resume import check_same_recipe
 
     saved = load_recipe(None, []).model_dump(mode="json")
-    check_same_recipe(saved, load_recipe(None, ["eval.deploy_budget=64"]), tmp_path, "x")  # only names a checkpoint
+    # only names a checkpoint
+    check_same_recipe(saved, load_recipe(None, ["eval.deploy_budget=64"]), tmp_path, "x")
     with pytest.raises(UserError, match=r"eval.ddtree_budgets"):
         check_same_recipe(saved, load_recipe(None, ["eval.ddtree_budgets=[8]"]), tmp_path, "x")

@@ -55,7 +55,8 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, small_data):
     assert full.returncode == 0, full.stderr[-2000:]
     resumed, uninterrupted = losses(tmp_path / "run"), losses(tmp_path / "full")
     assert sorted(resumed) == list(range(1, 13)) and killed_at >= 6
-    assert [resumed[s] for s in range(1, 13)] == pytest.approx([uninterrupted[s] for s in range(1, 13)], rel=1e-6)
+    assert ([resumed[s] for s in range(1, 13)] == pytest.approx([uninterrupted[s] for s in range(1, 13)],
+                                                                rel=1e-6))
     a, b = load_drafter(tmp_path / "run" / "final")[0], load_drafter(tmp_path / "full" / "final")[0]
     for k, v in a.state_dict().items():
         torch.testing.assert_close(v, b.state_dict()[k], rtol=1e-6, atol=1e-7)
@@ -64,7 +65,8 @@ def test_sigkill_then_rerun_resumes_exactly(tmp_path, small_data):
 
     # a changed recipe is refused rather than silently mixed into the run
     (tmp_path / "run" / "summary.json").unlink()
-    bad = subprocess.run(cmd + ["train.lr=1e-2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(cmd + ["train.lr=1e-2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
     assert bad.returncode == 2 and "the recipe changed (train.lr)" in bad.stderr
 
 
@@ -81,7 +83,8 @@ def assert_same_training(a: dict, b: dict, roundings: float) -> None:
     cosine schedule is 56000."""
     for k, v in a.items():
         x, y = v.double(), b[k].double()
-        assert (x - y).norm() <= roundings * EPS32 * x.norm(), (k, ((x - y).norm() / (EPS32 * x.norm())).item())
+        assert ((x - y).norm() <= roundings * EPS32 * x.norm()), (k, ((x - y).norm()
+                                                                      / (EPS32 * x.norm())).item())
 
 
 def test_two_processes_match_one(tmp_path, small_data):
@@ -93,8 +96,8 @@ def test_two_processes_match_one(tmp_path, small_data):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     train = [sys.executable, "-m", "dflash_train.train"]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",
-              "dflash_train/train.py"]
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", "0", "dflash_train/train.py"]
     runs = {"one": [*train, *run_args(tmp_path / "one", small_data, "max_steps=5", "train.batch_size=8")],
             "accum": [*train, *run_args(tmp_path / "accum", small_data, "max_steps=5", "train.batch_size=4",
                                         "train.grad_accum=2")],
@@ -127,7 +130,8 @@ def test_accumulation_matches_a_full_batch(tmp_path, small_data, objective, roun
     from dflash_train.cli.train import main
 
     main(run_args(tmp_path / "full", small_data, "max_steps=4", "train.batch_size=8", *objective))
-    main(run_args(tmp_path / "accum", small_data, "max_steps=4", "train.batch_size=4", "train.grad_accum=2", *objective))
+    main(run_args(tmp_path / "accum", small_data, "max_steps=4", "train.batch_size=4", "train.grad_accum=2",
+                  *objective))
     full, accum = losses(tmp_path / "full"), losses(tmp_path / "accum")
     assert [full[s] for s in range(1, 5)] == pytest.approx([accum[s] for s in range(1, 5)], rel=1e-5)
     a, b = load_drafter(tmp_path / "full" / "final")[0], load_drafter(tmp_path / "accum" / "final")[0]

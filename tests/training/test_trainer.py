@@ -48,7 +48,8 @@ def test_accelerate_launch_trains_and_writes_outputs(tmp_path, small_data):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 24 and summary["wall_s"] > 0 and summary["train_tokens_per_s"] > 0
     assert summary["eval"]["eal"] >= 1.0 and len(summary["eval"]["acc_per_position"]) == 7
-    assert summary["eval"]["eal"] == rows[-1]["val_eal"] or abs(summary["eval"]["eal"] - rows[-1]["val_eal"]) < 1e-4
+    assert (summary["eval"]["eal"] == rows[-1]["val_eal"] or abs(summary["eval"]["eal"]
+                                                                 - rows[-1]["val_eal"]) < 1e-4)
 
     drafter, meta = load_drafter(out / "final")
     saved = load_file(out / "final" / "model.safetensors")
@@ -89,9 +90,9 @@ def test_non_empty_output_dir_is_refused(tmp_path, capsys):
 
 def quick(out, small_data, *extra) -> list[str]:
     """A run of a few seconds on the small data."""
-    return [f"output_dir={out}", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-            "max_steps=2", "train.batch_size=4", "data.num_anchors=4", "eval.max_samples=4", "model.num_layers=1",
-            *extra]
+    return [f"output_dir={out}", f"data.train={small_data / 'train.jsonl'}",
+            f"data.val={small_data / 'val.jsonl'}", "max_steps=2", "train.batch_size=4", "data.num_anchors=4",
+            "eval.max_samples=4", "model.num_layers=1", *extra]
 
 
 def refused(argv, capsys) -> str:
@@ -120,7 +121,8 @@ def test_overwrite_checks_every_input_before_touching_the_old_run(finished_run, 
     for extra, message in [(["model.target=/nope"], "model.target not found: '/nope'"),
                            ([f"model.target={bad_target}"], "its weights do not match its config.json"),
                            # the data is checked before the (broken) target is loaded
-                           ([f"model.target={bad_target}", f"data.val={tmp_path / 'none.jsonl'}"], "not found")]:
+                           ([f"model.target={bad_target}", f"data.val={tmp_path / 'none.jsonl'}"],
+                            "not found")]:
         argv = quick(finished_run, small_data, "checkpoint_every=1", "overwrite=true", *extra)
         assert message in refused(argv, capsys)
         assert snapshot(finished_run) == before
@@ -132,7 +134,8 @@ def test_output_dir_overlapping_an_input_is_refused(finished_run, small_data, tm
     assert line == (f"error: output_dir '{small_data}' holds the data.train '{small_data / 'train.jsonl'}': "
                     "write the output somewhere else")
     inside = finished_run / "final" / "more"
-    line = refused(quick(inside, small_data, f"model.init_from={finished_run / 'final'}", "overwrite=true"), capsys)
+    line = refused(quick(inside, small_data, f"model.init_from={finished_run / 'final'}", "overwrite=true"),
+                   capsys)
     assert "is inside the model.init_from" in line
     f = tmp_path / "file"
     f.write_text("x")
@@ -143,10 +146,12 @@ def test_output_dir_overlapping_an_input_is_refused(finished_run, small_data, tm
 def test_resume_messages_say_what_overwrite_deletes(finished_run, small_data, capsys):
     line = refused(quick(finished_run, small_data, "checkpoint_every=1"), capsys)
     assert line == (f"error: output_dir '{finished_run}' holds a finished run: overwrite=true deletes it "
-                    "(1 checkpoint up to step 1, final/, metrics.jsonl, summary.json), or choose another output_dir")
+                    "(1 checkpoint up to step 1, final/, metrics.jsonl, summary.json), or choose "
+                    "another output_dir")
 
 
-def test_a_moved_run_resumes_with_paths_spelt_differently(finished_run, small_data, tmp_path, monkeypatch, capsys):
+def test_a_moved_run_resumes_with_paths_spelt_differently(finished_run, small_data, tmp_path, monkeypatch,
+                                                          capsys):
     """Interrupted after its checkpoint (summary and final removed), moved elsewhere, resumed with
     a trailing slash and relative data paths: the same run."""
     moved = tmp_path / "elsewhere" / "run"
@@ -157,15 +162,17 @@ def test_a_moved_run_resumes_with_paths_spelt_differently(finished_run, small_da
     argv = [f"output_dir={moved}/", "data.train=train.jsonl", "data.val=./val.jsonl",
             *quick(moved, small_data, "checkpoint_every=1")[3:]]
     line = refused([*argv, "train.lr=1e-2"], capsys)
-    assert line.startswith(f"error: cannot resume from {moved / 'checkpoints' / 'step_000001'}: the recipe changed "
-                           "(train.lr); rerun with the same recipe to resume, choose another output_dir, or pass "
-                           "overwrite=true to delete this run (1 checkpoint up to step 1, metrics.jsonl)")
+    assert line.startswith(f"error: cannot resume from {moved / 'checkpoints' / 'step_000001'}: "
+                           "the recipe changed (train.lr); rerun with the same recipe to resume, choose "
+                           "another output_dir, or pass overwrite=true to delete this run (1 checkpoint up "
+                           "to step 1, metrics.jsonl)")
     main(argv)
     assert f"resuming from {moved / 'checkpoints' / 'step_000001'}" in capsys.readouterr().out
     assert json.loads((moved / "summary.json").read_text())["resumed_from_step"] == 1
     plain = moved / "plain.txt"  # the weights are as readable as any file the user writes (umask)
     plain.write_text("x")
-    for weights in [moved / "final" / "model.safetensors", moved / "checkpoints" / "step_000001" / "model.safetensors"]:
+    for weights in [moved / "final" / "model.safetensors",
+                    moved / "checkpoints" / "step_000001" / "model.safetensors"]:
         assert weights.stat().st_mode & 0o777 == plain.stat().st_mode & 0o777
 
 
@@ -190,8 +197,8 @@ def test_resume_against_a_changed_target_is_one_line(small_data, qwen3_random_ta
     shutil.rmtree(target)
     shutil.copytree(qwen3_random_target_dir, target)
     line = refused(quick(out, small_data, f"model.target={target}", "checkpoint_every=1"), capsys)
-    assert line == (f"error: cannot resume from {out / 'checkpoints' / 'step_000001'}: it holds a drafter of hidden "
-                    "size 128, the target now gives 64 (the target changed since?)")
+    assert line == (f"error: cannot resume from {out / 'checkpoints' / 'step_000001'}: it holds "
+                    "a drafter of hidden size 128, the target now gives 64 (the target changed since?)")
 
 
 def test_runs_from_any_folder_and_prints_only_its_own_progress(tmp_path):
@@ -220,12 +227,14 @@ def test_runs_from_any_folder_and_prints_only_its_own_progress(tmp_path):
         export_main(["--format", "dflash", "--checkpoint", str(elsewhere / "run" / "final"), "--output", "x"])
     finally:
         os.chdir(ROOT)
-    assert json.loads((other / "x" / "config.json").read_text())["verifier_pin"]["name_or_path"] == str(TINY_TARGET)
+    assert (json.loads((other / "x" / "config.json").read_text())["verifier_pin"]["name_or_path"]
+            == str(TINY_TARGET))
 
 
 def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(tmp_path, small_data):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "dflash_train.train", *quick(out, small_data, "max_steps=100000", "checkpoint_every=3",
+    cmd = [sys.executable, "-m", "dflash_train.train",
+           *quick(out, small_data, "max_steps=100000", "checkpoint_every=3",
                                                                 "train.batch_size=2", "log_every=1")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -233,10 +242,11 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(tmp_path, smal
         # Ctrl-C at a terminal: SIGINT at its default in the child, even when this test suite itself
         # runs as a background job (`make test &`), which starts with SIGINT ignored (kept ignored:
         # test_an_ignored_sigint_stays_ignored)
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.time() + 300
-        while not (out / "metrics.jsonl").is_file() or max([0] + [r["step"] for r in read_metrics(out)]) < step:
+        while not (out / "metrics.jsonl").is_file() or max([0] + [r["step"]
+                                                                  for r in read_metrics(out)]) < step:
             assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
@@ -250,14 +260,17 @@ def test_ctrl_c_is_one_line_exit_130_and_the_same_command_resumes(tmp_path, smal
     assert resume >= 3 and stderr.strip().splitlines()[-1] == (
         f"interrupted at step {done}; rerun the same command to resume from step {resume}")
     code, stdout, stderr = run_until(done + 1)  # a step the first run never reached
-    assert code == 130 and f"resuming from {out / 'checkpoints' / f'step_{resume:06d}'}" in stdout, stderr[-3000:]
+    assert (code == 130 and f"resuming from "
+                            f"{out / 'checkpoints' / f'step_{resume:06d}'}" in stdout), stderr[-3000:]
 
 
-LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
-          "--dynamo_backend", "no"]
+LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision",
+          "no", "--dynamo_backend", "no"]
 LAUNCHERS = {"accelerate": [*LAUNCH, "--num_processes", "1"],
-             "accelerate-multi-gpu": [*LAUNCH, "--multi_gpu", "--num_processes", "2", "--main_process_port", "0"],
-             "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]}
+             "accelerate-multi-gpu": [*LAUNCH, "--multi_gpu", "--num_processes", "2", "--main_process_port",
+                                      "0"],
+             "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                          "2"]}
 
 
 @pytest.mark.parametrize("launcher", LAUNCHERS)
@@ -265,11 +278,12 @@ def test_a_bad_recipe_value_under_each_launcher_is_our_line_once_and_first(launc
     """Every process meets the bad value; one line is printed, before the launcher's own report
     (which exits 1 for any failed child: see docs/troubleshooting.md)."""
     r = subprocess.run([*LAUNCHERS[launcher], "dflash_train/train.py", "train.betas=[0.9, 1.5]",
-                        f"output_dir={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+                        f"output_dir={tmp_path / 'o'}"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     ours = "error: recipe 'recipes/tiny.yaml': 'train.betas.1': Input should be less than 1 (got 1.5)"
     lines = r.stderr.splitlines()
-    assert lines[0] == ours and [line for line in lines if line.startswith("error")] == [ours], r.stderr[-3000:]
+    assert (lines[0] == ours and [line for line in lines if line.startswith("error")]
+            == [ours]), r.stderr[-3000:]
     assert str(ROOT / "dflash_train") not in r.stderr  # no traceback through our code
     assert r.returncode == 1 and not (tmp_path / "o").exists()
 
@@ -299,9 +313,9 @@ def test_non_default_objective_trains_and_reports_every_term(tmp_path, small_dat
 
     out = tmp_path / "kl_nla"
     main([f"output_dir={out}", "max_steps=24", "seed=3", "eval.every=12", "eval.max_samples=8",
-          f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}", "train.batch_size=8",
-          "data.num_anchors=16", "train.warmup_ratio=0.25", "loss.terms={kl: 1.0, nla: 0.5, tv: 0.0}",
-          "loss.position_weight=uniform", "loss.chunk_slots=100"])
+          f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
+          "train.batch_size=8", "data.num_anchors=16", "train.warmup_ratio=0.25",
+          "loss.terms={kl: 1.0, nla: 0.5, tv: 0.0}", "loss.position_weight=uniform", "loss.chunk_slots=100"])
     rows = read_metrics(out)
     first, last = sum(m["loss"] for m in rows[:3]) / 3, sum(m["loss"] for m in rows[-3:]) / 3
     assert last < 0.7 * first, (first, last)
@@ -316,7 +330,8 @@ def test_non_default_objective_trains_and_reports_every_term(tmp_path, small_dat
     summary = json.loads((out / "summary.json").read_text())["eval"]
     assert summary["terms"].keys() == {"kl", "nla", "tv"} and len(summary["alpha_per_position"]) == 7
     flat = flat_for_tracker(rows[23])
-    assert {"loss/kl", "loss/tv", "val/loss/nla", "alpha_7", "val/alpha_1", "val/acc_7", "val/ddtree_tau@64"} <= flat.keys()
+    assert ({"loss/kl", "loss/tv", "val/loss/nla", "alpha_7", "val/alpha_1", "val/acc_7",
+             "val/ddtree_tau@64"} <= flat.keys())
     assert all(isinstance(v, (int, float)) for v in flat.values())
 
 
@@ -355,5 +370,6 @@ def test_ddtree_max_blocks_caps_the_whole_validation(tmp_path, small_data, monke
     real = validate_module.ddtree_acceptance
     monkeypatch.setattr(validate_module, "ddtree_acceptance",
                         lambda logits, labels, *a: scored.append(len(labels)) or real(logits, labels, *a))
-    main(quick(tmp_path / "run", small_data, "eval.max_samples=8", "eval.num_anchors=4", "eval.ddtree_max_blocks=10"))
+    main(quick(tmp_path / "run", small_data, "eval.max_samples=8", "eval.num_anchors=4",
+               "eval.ddtree_max_blocks=10"))
     assert sum(scored) == 10, scored

@@ -30,7 +30,8 @@ def random_drafter(target, name: str, seed: int = 0, std: float = 0.2) -> DFlash
     kw = VARIANTS[name] | ({"markov_rank": 8} if variant == "dspark" else {}) | (
         {"selector_rank": 8} if variant == "dflash2" else {})
     torch.manual_seed(seed)
-    drafter = DFlashDrafter(drafter_config_for(target, ModelConfig(num_layers=1, block_size=B, variant=variant, **kw)))
+    drafter = DFlashDrafter(drafter_config_for(target, ModelConfig(num_layers=1, block_size=B,
+                                                                   variant=variant, **kw)))
     with torch.no_grad():
         for p in drafter.parameters():
             p.normal_(0, std if p.ndim > 1 else 1.0)
@@ -39,7 +40,8 @@ def random_drafter(target, name: str, seed: int = 0, std: float = 0.2) -> DFlash
 
 def scorer_for(drafter, hidden, bonus):
     if drafter.markov_head is not None:
-        return MarkovScorer(drafter.markov_head, hidden, bonus, candidates=10**9)  # exact: the bias on every token
+        # exact: the bias on every token
+        return MarkovScorer(drafter.markov_head, hidden, bonus, candidates=10**9)
     if drafter.candidate_selector is not None:
         return SelectorScorer(drafter.candidate_selector, hidden, bonus)
     return None
@@ -57,7 +59,8 @@ def test_node_distributions_are_the_ones_the_tree_scores_children_with(tiny_targ
         tree = build_tree(unary, 24, scorer_for(drafter, hidden, bonus))
         rows, support, logq = node_log_probs(drafter, head, hidden, tree, bonus)
     depths = [0] + tree.depths.tolist()
-    assert rows.tolist() == [i for i, d in enumerate(depths) if d < B - 1]  # the root and every non-leaf depth
+    # the root and every non-leaf depth
+    assert rows.tolist() == [i for i, d in enumerate(depths) if d < B - 1]
     at = {int(r): k for k, r in enumerate(rows)}
     lp = [0.0] + tree.log_probs.tolist()
     edges = 0
@@ -69,7 +72,8 @@ def test_node_distributions_are_the_ones_the_tree_scores_children_with(tiny_targ
             got = float(logq[k, token])
         else:  # DFlash2: the K-way softmax; the tree adds the unary mass of slot d+1's candidates
             d = depths[parent]
-            assert set(support[k].tolist()) == set(unary[d].topk(drafter.candidate_selector.top_k).indices.tolist())
+            assert (set(support[k].tolist())
+                    == set(unary[d].topk(drafter.candidate_selector.top_k).indices.tolist()))
             got = float(logq[k, support[k].tolist().index(token)]
                         + torch.logsumexp(unary[d, support[k]], 0) - torch.logsumexp(unary[d], 0))
         assert math.isclose(got, stated, abs_tol=2e-4), (child, got, stated)
@@ -113,7 +117,8 @@ def test_gradients_reach_the_drafter_only(tiny_target, batch, name):
         assert torch.equal(v, before[k]), k
     grads = {n: p.grad for n, p in drafter.named_parameters()}
     head = "candidate_selector." if name == "dflash2" else "markov_head."
-    assert all(g is None for n, g in grads.items() if not n.startswith(head))  # backbone, confidence head: none
+    # backbone, confidence head: none
+    assert all(g is None for n, g in grads.items() if not n.startswith(head))
     if name == "dflash2":
         sel = grads["candidate_selector.successor_codebook"]
         used = sel.abs().sum(-1) > 0
@@ -152,9 +157,9 @@ def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_pat
     out = tmp_path / "run"
     train_main([f"output_dir={out}", "max_steps=4", "model.variant=dspark", "model.markov_rank=16",
                 f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=4", "eval.max_samples=4", "eval.ddtree_budgets=[4, 8]", "eval.deploy_budget=8",
-                "eval.every=1", "checkpoint_every=1", "tree_distill.weight=1.0", "tree_distill.budget=8",
-                "tree_distill.every=2", "log_every=1"])
+                "train.batch_size=4", "eval.max_samples=4", "eval.ddtree_budgets=[4, 8]",
+                "eval.deploy_budget=8", "eval.every=1", "checkpoint_every=1", "tree_distill.weight=1.0",
+                "tree_distill.budget=8", "tree_distill.every=2", "log_every=1"])
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:  # every 2nd step distils (step counts from 1 in the records)
@@ -173,7 +178,8 @@ def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_pat
     summary = json.loads((out / "summary.json").read_text())["chosen"]
     assert summary["budget"] == 8 and set(summary["validated"]) == {"1", "2", "3", "4"}
 
-    export_main(["--format", "speculators", "--checkpoint", str(out / "final"), "--output", str(tmp_path / "spec")])
+    export_main(["--format", "speculators", "--checkpoint", str(out / "final"), "--output",
+                 str(tmp_path / "spec")])
     card = (tmp_path / "spec" / "README.md").read_text()
     # the count from the run's metrics.jsonl (steps 2 and 4 distilled), not the recipe's promise
     assert ("Trained for its tree: 2 of its 4 steps distilled trees (metrics.jsonl), every 2 step(s), "
@@ -182,8 +188,10 @@ def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_pat
     eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "1", "--budgets", "8", "--max-new-tokens", "8",
                "--output", str(tmp_path / "eval")])
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
-    assert report["trained_for"]["deploy_budget"] == 8 and report["trained_for"]["tree_distill"]["budget"] == 8
-    assert all(r["lossless"] is True for r in report["results"])  # chain and path-conditioned tree = plain decoding
+    assert (report["trained_for"]["deploy_budget"] == 8
+            and report["trained_for"]["tree_distill"]["budget"] == 8)
+    # chain and path-conditioned tree = plain decoding
+    assert all(r["lossless"] is True for r in report["results"])
     # the export carries the recipe, not the run's metrics: the eval does not claim what it cannot count
     text = (tmp_path / "eval" / "report.md").read_text()
     assert ("Drafter trained and chosen for DDTree budget 8; its recipe asks for tree distillation (2 "
@@ -195,7 +203,8 @@ def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_pat
     with pytest.raises(UserError, match="tree_distill.budget"):
         load_recipe(None, ["tree_distill.budget=0"])
     for variant in (["model.variant=dflash"], ["model.variant=dspark", "model.markov_rank=0"]):
-        with pytest.raises(UserError, match=r"^recipe '.*': tree_distill trains a conditional head .* has none$"):
+        with pytest.raises(UserError, match=r"^recipe '.*': tree_distill trains a conditional "
+                                            r"head .* has none$"):
             load_recipe(None, ["tree_distill.weight=1", *variant])
 
 
@@ -208,4 +217,5 @@ def test_a_run_saved_before_tree_distillation_existed_still_resumes(tmp_path):
     del saved["tree_distill"]
     check_same_recipe(saved, cfg, tmp_path, "x")  # the added section at its defaults: the same recipe
     with pytest.raises(UserError, match="tree_distill.weight"):
-        check_same_recipe(saved, load_recipe(None, ["model.variant=dspark", "tree_distill.weight=1"]), tmp_path, "x")
+        check_same_recipe(saved, load_recipe(None, ["model.variant=dspark", "tree_distill.weight=1"]),
+                          tmp_path, "x")

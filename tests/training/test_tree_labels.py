@@ -41,10 +41,12 @@ def test_packing_keeps_the_sequence_causal_and_trees_apart():
     trees = [build_tree(torch.randn(3, 20), 5), build_tree(torch.randn(3, 20), 4)]
     tokens, positions, visible, rows = packed_trees(ids, [2, 7], trees)
     T = 10
-    assert torch.equal(visible[:T, :T], torch.ones(T, T, dtype=torch.bool).tril()) and not visible[:T, T:].any()
+    assert (torch.equal(visible[:T, :T], torch.ones(T, T, dtype=torch.bool).tril())
+            and not visible[:T, T:].any())
     first, second = rows[0][1:], rows[1][1:]
     assert not visible[first][:, second].any() and not visible[second][:, first].any()
-    assert not visible[first][:, 3:T].any() and visible[second][:, :8].all() and not visible[second][:, 8:T].any()
+    assert (not visible[first][:, 3:T].any() and visible[second][:, :8].all()
+            and not visible[second][:, 8:T].any())
     assert positions[first].tolist() == (2 + trees[0].depths).tolist()
     with pytest.raises(ValueError, match="outside the sequence"):
         packed_trees(ids, [10], trees[:1])

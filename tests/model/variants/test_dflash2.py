@@ -18,8 +18,8 @@ B = 8
 
 
 def dflash2_config(target, **kw):
-    return drafter_config_for(target, ModelConfig(variant="dflash2", num_layers=2, block_size=B, selector_rank=16,
-                                                  selector_top_k=8, **kw))
+    return drafter_config_for(target, ModelConfig(variant="dflash2", num_layers=2, block_size=B,
+                                                  selector_rank=16, selector_top_k=8, **kw))
 
 
 def randomize(drafter, seed=0):
@@ -28,7 +28,8 @@ def randomize(drafter, seed=0):
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             scale = 0.3 if "conv" in name else (0.2 if p.ndim > 1 else 1.0)
-            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if "norm" in name and p.ndim == 1 else 0.0))
+            p.copy_(torch.randn(p.shape, generator=g) * scale + (1.0 if "norm" in name
+                                                                 and p.ndim == 1 else 0.0))
     return drafter
 
 
@@ -68,7 +69,8 @@ def test_parameter_names_are_speculators_dflash2_names(setup):
 
     target, drafter, cfg = setup
     spec = DFlash2DraftModel(speculators_config(cfg, "v", ["Qwen3ForCausalLM"], {}, None))
-    verifier_owned = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight"}
+    verifier_owned = {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
+                      "verifier_norm.weight"}
     theirs = {k: v.shape for k, v in spec.state_dict().items() if k not in verifier_owned}
     assert theirs == {k: v.shape for k, v in drafter.state_dict().items()}
 
@@ -84,10 +86,12 @@ def test_untrained_dflash2_is_dflash(tiny_target):
                                               selector_rank=0, selector_top_k=0)).eval()
     missing, unexpected = plain.load_state_dict(fresh.state_dict(), strict=False)
     assert missing == [] and all("_conv." in k or k.startswith("candidate_selector.") for k in unexpected)
-    assert fresh.layers[0].attention_conv.base_kernel.abs().sum() == 2 * cfg.hidden_size  # base[:, 0] = 1 only
+    # base[:, 0] = 1 only
+    assert fresh.layers[0].attention_conv.base_kernel.abs().sum() == 2 * cfg.hidden_size
     ids = torch.randint(0, 1000, (1, 40))
     anchors = torch.tensor([[3, 11, 20, 31]])
-    assert torch.equal(train_hidden(tiny_target, fresh, ids, anchors), train_hidden(tiny_target, plain, ids, anchors))
+    assert torch.equal(train_hidden(tiny_target, fresh, ids, anchors),
+                       train_hidden(tiny_target, plain, ids, anchors))
     assert torch.equal(cached_hidden(tiny_target, fresh, ids, 17), cached_hidden(tiny_target, plain, ids, 17))
 
 
@@ -184,8 +188,10 @@ def test_forward_and_loss_equal_speculators_dflash2(setup):
     cands, positions, contains = selector_training_candidates(
         logits.topk(cfg.selector_top_k, dim=-1).indices, targets.argmax(-1))
     spec_scores = spec.candidate_selector.score_candidates(logits, hidden, pred.reshape(1, -1), cands)
-    block_tokens = torch.cat([ids.gather(1, anchors)[..., None], ids[0, block_idx].view(1, A, B)[..., 1:]], -1)
-    context = drafter.candidate_selector(ours[None, :, 1:], dflash2.predecessors(block_tokens))  # [1, A, K, r]
+    block_tokens = torch.cat([ids.gather(1, anchors)[..., None], ids[0, block_idx].view(1, A, B)[..., 1:]],
+                             -1)
+    # [1, A, K, r]
+    context = drafter.candidate_selector(ours[None, :, 1:], dflash2.predecessors(block_tokens))
     c = cands.view(A, B, -1)[None, :, 1:]
     our_scores = dflash2.candidate_scores(target.lm_head(ours)[None, :, 1:].gather(-1, c), context,
                                           drafter.candidate_selector.successor_codebook, c)
@@ -197,10 +203,11 @@ def test_forward_and_loss_equal_speculators_dflash2(setup):
         top_k=cfg.selector_top_k, loss_config={"ce": (eager.ce_loss, 1.0)}, tv_loss_fn=eager.tv_loss,
         per_position_loss_weight="dpace")
     lcfg = LossConfig(position_weight="dpace", chunk_slots=2 * (B - 1))  # chunks of two blocks
-    t_hidden = target.model.model.norm(pre_norm_last)[0, (block_idx.view(A, B)[:, 1:] - 1)][None]  # [1, A, K, H]
+    # [1, A, K, H]
+    t_hidden = target.model.model.norm(pre_norm_last)[0, (block_idx.view(A, B)[:, 1:] - 1)][None]
     valid = torch.ones(1, A, B - 1, dtype=torch.bool)
-    base, m = dflash_loss(ours[None, :, 1:], t_hidden, target.lm_head, ids[0, block_idx].view(1, A, B)[..., 1:],
-                          valid, lcfg)
+    base, m = dflash_loss(ours[None, :, 1:], t_hidden, target.lm_head,
+                          ids[0, block_idx].view(1, A, B)[..., 1:], valid, lcfg)
     selector, correct, _ = dflash2.selector_loss(drafter.candidate_selector, ours[None, :, 1:], block_tokens,
                                                  target.lm_head, m["labels"], valid, lcfg, valid.sum())
     torch.testing.assert_close(base + selector, spec_loss, rtol=1e-5, atol=1e-6)

@@ -91,7 +91,8 @@ def test_lossless_at_temperature_0(tiny_target, drafter, greedy, method, budget,
     stops, references = greedy
     emitted = rounds = 0
     for ids, reference in references:
-        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=48, stop_ids=stops, tree_scores=scores)
+        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=48, stop_ids=stops,
+                   tree_scores=scores)
         assert r.tokens == reference
         emitted, rounds = emitted + sum(r.accept_lengths), rounds + len(r.accept_lengths)
     assert emitted / rounds > 1.3  # drafts were accepted: compaction and the context cache were exercised
@@ -106,7 +107,8 @@ def test_selector_tree_is_what_decoding_verifies(tiny_target, drafter, monkeypat
 
     seen = []
     real = proposers.build_tree
-    monkeypatch.setattr(proposers, "build_tree", lambda logits, budget, scorer=None, token_ids=None: seen.append(
+    monkeypatch.setattr(proposers, "build_tree",
+                        lambda logits, budget, scorer=None, token_ids=None: seen.append(
         (logits.clone(), scorer, token_ids)) or real(logits, budget, scorer, token_ids))
     stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
     ids = chat_prompt(tiny_target.tokenizer, QUESTIONS[0])
@@ -117,6 +119,7 @@ def test_selector_tree_is_what_decoding_verifies(tiny_target, drafter, monkeypat
         assert all(ids is None for _, _, ids in seen)  # DFlash2 drafts over the full vocabulary
         if scores == "conditional":
             logits, scorer, _ = seen[0]
-            assert isinstance(scorer, dflash2.SelectorScorer) and scorer.selector is drafter.candidate_selector
+            assert (isinstance(scorer, dflash2.SelectorScorer)
+                    and scorer.selector is drafter.candidate_selector)
             ours, plain = build_tree(logits, 32, scorer), build_tree(logits, 32)
             assert ours.tokens.tolist() != plain.tokens.tolist()  # the selector changes the tree

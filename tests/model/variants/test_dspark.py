@@ -24,9 +24,9 @@ QUESTIONS = ["What is 23 + 59?", "Tell me about Oakgate.", "Please sort 12, 5, 3
 
 
 def dspark_config(target, head_type="vanilla", rank=16, block_size=B, confidence=True, num_layers=2):
-    return drafter_config_for(target, ModelConfig(num_layers=num_layers, block_size=block_size, variant="dspark",
-                                                  markov_rank=rank, markov_head_type=head_type,
-                                                  confidence_head=confidence))
+    return drafter_config_for(target, ModelConfig(num_layers=num_layers, block_size=block_size,
+                                                  variant="dspark", markov_rank=rank,
+                                                  markov_head_type=head_type, confidence_head=confidence))
 
 
 def random_dspark(target, head_type, seed=0, **kw) -> DFlashDrafter:
@@ -77,7 +77,8 @@ def our_block_logits(drafter, target, ids, anchors):
     taps, _ = target_forward(target, ids, torch.ones_like(ids), cfg.target_layer_ids)
     block = torch.full((1, A, Bs), cfg.mask_token_id)
     block[:, :, 0] = ids[0, anchors]
-    hidden = drafter(target.embed(block.view(1, A * Bs)), taps, anchors[None], torch.ones_like(ids, dtype=torch.bool))
+    hidden = drafter(target.embed(block.view(1, A * Bs)), taps, anchors[None],
+                     torch.ones_like(ids, dtype=torch.bool))
     hidden = hidden.view(1, A, Bs, -1)
     true_tokens = ids[0, anchors[:, None] + torch.arange(Bs)][None]  # [1, A, B]
     u, conf = dspark.teacher_forced(drafter, hidden, true_tokens)
@@ -94,8 +95,8 @@ def speculators_model(drafter):
     spec = DSparkDraftModel(config)
     spec.load_verifier_weights()
     missing, unexpected = spec.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                               "verifier_norm.weight"}
+    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight",
+                                               "verifier_lm_head.weight", "verifier_norm.weight"}
     return spec.eval()
 
 
@@ -155,7 +156,8 @@ def test_markov_chain_is_teacher_forcing_on_its_own_tokens(tiny_target, head_typ
     assert not torch.allclose(logits, base, atol=1e-3)  # the bias is really applied
 
 
-@pytest.mark.parametrize("terms, weighting", [({"ce": 0.1, "tv": 0.9}, "exp"), ({"ce": 1.0, "kl": 0.5}, "dpace")])
+@pytest.mark.parametrize("terms, weighting",
+                         [({"ce": 0.1, "tv": 0.9}, "exp"), ({"ce": 1.0, "kl": 0.5}, "dpace")])
 @pytest.mark.parametrize("chunk_slots", [1, 6])
 def test_markov_bias_through_the_chunked_loss(terms, weighting, chunk_slots):
     """The Markov bias u . W2 added inside the loss: chunks of blocks give the value and the
@@ -177,10 +179,12 @@ def test_markov_bias_through_the_chunked_loss(terms, weighting, chunk_slots):
     cfg0 = LossConfig(terms=terms, position_weight=weighting, chunk_slots=0)
     # reference: whole logits built by plain autograd (the chunked loss is told nothing)
     identity = torch.nn.Identity()
-    ref, m_ref = dflash_loss(head(leaves[0]) + leaves[1] @ leaves[2].T, head(th), identity, tokens, valid, cfg0, norm)
+    ref, m_ref = dflash_loss(head(leaves[0]) + leaves[1] @ leaves[2].T, head(th), identity, tokens, valid,
+                             cfg0, norm)
     ref.backward()
     chunked = [t.clone().requires_grad_() for t in (h, u, w2)]
-    loss, m = dflash_loss(chunked[0], th, head, tokens, valid, LossConfig(terms=terms, position_weight=weighting,
+    loss, m = dflash_loss(chunked[0], th, head, tokens, valid,
+                          LossConfig(terms=terms, position_weight=weighting,
                           chunk_slots=chunk_slots), norm, markov_bias=(chunked[1], chunked[2]))
     loss.backward()
     torch.testing.assert_close(loss, ref, rtol=1e-12, atol=1e-12)
@@ -229,7 +233,8 @@ def test_dspark_output_is_the_greedy_output(tiny_target, trained_backbone, head_
     for method, budget, scores in runs:
         emitted = rounds = 0
         for ids, ar in zip(prompts, ars):
-            r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=60, stop_ids=stops, tree_scores=scores)
+            r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=60, stop_ids=stops,
+                       tree_scores=scores)
             assert r.tokens == ar, (method, budget, scores)
             emitted, rounds = emitted + sum(r.accept_lengths), rounds + len(r.accept_lengths)
         if budget != 1:  # drafts were really accepted, so compaction and context updates were exercised
@@ -263,7 +268,8 @@ def test_markov_rank_zero_is_plain_dflash(tiny_target, trained_backbone):
 
 def test_chain_confidence_calibration_counts(tiny_target, trained_backbone):
     drafter = dspark_on_backbone(trained_backbone, tiny_target, "vanilla")
-    r = decode(tiny_target, drafter, chat_prompt(tiny_target.tokenizer, QUESTIONS[0]), "dflash", max_new_tokens=40)
+    r = decode(tiny_target, drafter, chat_prompt(tiny_target.tokenizer, QUESTIONS[0]), "dflash",
+               max_new_tokens=40)
     predicted, reached, accepted = r.confidence
     assert reached[0] == len(r.accept_lengths)  # slot 1 is reached every round
     assert sum(accepted) == sum(r.accept_lengths) - len(r.accept_lengths)  # every accepted drafted token
@@ -283,9 +289,10 @@ def speculators_written_dspark(folder, target, head_type, sample_from_anchor=Fal
     layer._attn_implementation = "sdpa"  # flex attention is for training on GPU
     config = DSparkSpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=ours.vocab_size, block_size=B,
-        target_hidden_size=ours.hidden_size, aux_hidden_state_layer_ids=[k + 1 for k in ours.target_layer_ids],
-        mask_token_id=ours.mask_token_id, sample_from_anchor=sample_from_anchor, markov_rank=12,
-        markov_head_type=head_type, enable_confidence_head=True, confidence_head_with_markov=with_markov,
+        target_hidden_size=ours.hidden_size,
+        aux_hidden_state_layer_ids=[k + 1 for k in ours.target_layer_ids], mask_token_id=ours.mask_token_id,
+        sample_from_anchor=sample_from_anchor, markov_rank=12, markov_head_type=head_type,
+        enable_confidence_head=True, confidence_head_with_markov=with_markov,
         speculators_config=SpeculatorsConfig(
             algorithm="dspark", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=B - 1)],
             default_proposal_method="greedy",
@@ -310,7 +317,8 @@ def test_speculators_written_checkpoint_is_read(tiny_target, tmp_path, head_type
     drafter.eval()
     c = drafter.config
     assert meta["format"] == "speculators" and meta["target"]["name_or_path"] == str(TINY_TARGET)
-    assert (c.variant, c.markov_rank, c.markov_head_type, c.confidence_head, c.confidence_head_with_markov) == (
+    assert (c.variant, c.markov_rank, c.markov_head_type, c.confidence_head,
+            c.confidence_head_with_markov) == (
         "dspark", 12, head_type, True, with_markov)
     spec.eval()
     ids = torch.randint(0, 1000, (1, 26))
@@ -338,16 +346,16 @@ def test_eval_and_training_import_speculators_dspark(tiny_target, tmp_path, smal
     from dflash_train.cli.train import main as train_main
 
     speculators_written_dspark(tmp_path / "spec", tiny_target, "vanilla")
-    eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "2", "--budgets", "8", "--max-new-tokens", "16",
-               "--output", str(tmp_path / "eval")])
+    eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "2", "--budgets", "8", "--max-new-tokens",
+               "16", "--output", str(tmp_path / "eval")])
     rep = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert rep["variant"] == "dspark" and all(r["lossless"] for r in rep["results"])
     chain = next(r for r in rep["results"] if r["method"] == "dflash")
     assert len(chain["confidence"]["predicted"]) == B - 1
     train_main([f"output_dir={tmp_path / 'ft'}", f"model.init_from={tmp_path / 'spec'}", "max_steps=2",
-                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=4", f"model.block_size={B}", "model.variant=dspark", "model.markov_rank=12",
-                "eval.max_samples=4"])
+                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}",
+                f"data.val={small_data / 'val.jsonl'}", "train.batch_size=4", f"model.block_size={B}",
+                "model.variant=dspark", "model.markov_rank=12", "eval.max_samples=4"])
     start, end = load_drafter(tmp_path / "spec")[0], load_drafter(tmp_path / "ft" / "final")[0]
     for k, v in start.state_dict().items():
         torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
@@ -373,8 +381,9 @@ def test_dspark_recipe_starts_from_a_dflash_drafter(trained_drafter_dir, tmp_pat
     from dflash_train.cli.train import main as train_main
 
     train_main([f"output_dir={tmp_path / 'ft'}", f"model.init_from={trained_drafter_dir}", "max_steps=1",
-                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=4", "model.variant=dspark", "model.markov_rank=8", "eval.max_samples=4"])
+                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}",
+                f"data.val={small_data / 'val.jsonl'}", "train.batch_size=4", "model.variant=dspark",
+                "model.markov_rank=8", "eval.max_samples=4"])
     start, end = load_drafter(trained_drafter_dir)[0], load_drafter(tmp_path / "ft" / "final")[0]
     assert end.config.variant == "dspark" and end.markov_head is not None and end.confidence_head is not None
     for k, v in start.state_dict().items():

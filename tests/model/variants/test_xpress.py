@@ -33,8 +33,9 @@ SPEC_LOSS = '{"ce": 0.1, "tv": 0.9}'  # speculators' XPress default loss
 
 
 def xpress_config(target, rank=RANK, block_size=B, passes=6, num_layers=2):
-    return drafter_config_for(target, ModelConfig(num_layers=num_layers, block_size=block_size, variant="xpress",
-                                                  xpress_rank=rank, num_jacobi_passes=passes))
+    return drafter_config_for(target, ModelConfig(num_layers=num_layers, block_size=block_size,
+                                                  variant="xpress", xpress_rank=rank,
+                                                  num_jacobi_passes=passes))
 
 
 def random_xpress(target, seed=0, **kw) -> DFlashDrafter:
@@ -60,8 +61,8 @@ def speculators_model(drafter):
     spec = XPressDraftModel(config)
     spec.load_verifier_weights()
     missing, unexpected = spec.load_state_dict(drafter.state_dict(), strict=False)
-    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight",
-                                               "verifier_norm.weight"}
+    assert not unexpected and set(missing) == {"embed_tokens.weight", "lm_head.weight",
+                                               "verifier_lm_head.weight", "verifier_norm.weight"}
     return spec.eval()
 
 
@@ -88,8 +89,8 @@ def speculators_forward(spec, target, ids, anchors, monkeypatch, capture=True, *
     taps = torch.cat([out.hidden_states[i] for i in spec.config.aux_hidden_state_layer_ids], -1)
     _, last = target_forward(target, ids, torch.ones_like(ids), [0])
     spec.verifier_norm = nn.Identity()
-    args = dict(hidden_states=taps, input_ids=ids, loss_mask=torch.ones_like(ids), verifier_last_hidden_states=last,
-                document_ids=torch.zeros_like(ids), max_anchors=A, **kwargs)
+    args = dict(hidden_states=taps, input_ids=ids, loss_mask=torch.ones_like(ids),
+                verifier_last_hidden_states=last, document_ids=torch.zeros_like(ids), max_anchors=A, **kwargs)
     if not capture:
         return spec(**args)[1]
     with pytest.raises(Captured):
@@ -102,8 +103,9 @@ def our_blocks(drafter, target, ids, anchors):
     """Our anchored-block pass (training's) over ids [1, T] at anchors [A]."""
     batch = Batch(ids, torch.ones_like(ids), torch.ones_like(ids, dtype=torch.bool))
     c = drafter.config
-    return anchored_blocks(drafter, target, batch, anchors[None], torch.ones(1, len(anchors), dtype=torch.bool),
-                           c.target_layer_ids, c.block_size, c.mask_token_id)
+    return anchored_blocks(drafter, target, batch, anchors[None],
+                           torch.ones(1, len(anchors), dtype=torch.bool), c.target_layer_ids, c.block_size,
+                           c.mask_token_id)
 
 
 def data(seed=1, T=30):
@@ -195,7 +197,8 @@ def test_jacobi_chain_is_the_sequential_greedy_chain(tiny_target):
         full = xpress.jacobi_chain(drafter, hidden, base, bonus, before, passes=100)
         assert full[0].tolist() == want and full[1] == passes
         for K in range(1, B - 1):
-            assert xpress.jacobi_chain(drafter, hidden, base, bonus, before, passes=K)[0].tolist()[:K] == want[:K]
+            assert (xpress.jacobi_chain(drafter, hidden, base, bonus, before,
+                                        passes=K)[0].tolist()[:K] == want[:K])
         stopped_early += passes < B - 1
         converged_late += passes > 1
     assert stopped_early and converged_late  # both ends of the loop were exercised
@@ -278,17 +281,18 @@ def test_xpress_output_is_the_greedy_output(tiny_target, trained_backbone):
 
 def tiny_random_target_and_xpress(V=12):
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=16, max_position_embeddings=64, tie_word_embeddings=False)
+    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                      tie_word_embeddings=False)
     model = Qwen3ForCausalLM(cfg).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8)  # spread but not flat next-token distributions
     target = Target(model, tokenizer=None, name_or_path="random", revision=None)
     drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=V,
-                                          block_size=4, mask_token_id=V - 1, target_layer_ids=[1],
-                                          num_target_layers=4, variant="xpress", xpress_rank=4,
-                                          xpress_mlp_ratio=2, num_jacobi_passes=3)).eval()
+                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                          vocab_size=V, block_size=4, mask_token_id=V - 1,
+                                          target_layer_ids=[1], num_target_layers=4, variant="xpress",
+                                          xpress_rank=4, xpress_mlp_ratio=2, num_jacobi_passes=3)).eval()
     with torch.no_grad():
         drafter.refiner_head.mix_l.normal_(0, 0.5)
         drafter.refiner_head.readout.weight.normal_(0, 2.0)
@@ -305,7 +309,8 @@ def test_sampling_follows_the_target_distribution(method):
         p1 = torch.softmax(model(prompt).logits[0, -1].double(), -1)
         p2, p3 = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
         for a in range(V):
-            pa = p1[a] * torch.softmax(model(torch.cat([prompt, torch.tensor([[a]])], 1)).logits[0, -1].double(), -1)
+            pa = (p1[a] * torch.softmax(model(torch.cat([prompt, torch.tensor([[a]])],
+                                                        1)).logits[0, -1].double(), -1))
             p2 += pa
             for b in range(V):
                 seq = torch.cat([prompt, torch.tensor([[a, b]])], 1)
@@ -315,7 +320,8 @@ def test_sampling_follows_the_target_distribution(method):
     c2, c3 = torch.zeros(V), torch.zeros(V)
     accepted = 0
     for _ in range(N):
-        r = decode(target, drafter, prompt, method, budget=16, temperature=1.0, max_new_tokens=3, generator=gen)
+        r = decode(target, drafter, prompt, method, budget=16, temperature=1.0, max_new_tokens=3,
+                   generator=gen)
         c2[r.tokens[1]] += 1
         c3[r.tokens[2]] += 1
         accepted += r.accept_lengths[0] - 1
@@ -346,9 +352,9 @@ def speculators_written_xpress(folder, target, sample_from_anchor=False, draft_v
     layer._attn_implementation = "sdpa"
     config = XPressSpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=draft_vocab_size or ours.vocab_size, block_size=B,
-        target_hidden_size=ours.hidden_size, aux_hidden_state_layer_ids=[k + 1 for k in ours.target_layer_ids],
-        mask_token_id=ours.mask_token_id, sample_from_anchor=sample_from_anchor, xpress_rank=12,
-        xpress_mlp_ratio=3, num_jacobi_passes=4,
+        target_hidden_size=ours.hidden_size,
+        aux_hidden_state_layer_ids=[k + 1 for k in ours.target_layer_ids], mask_token_id=ours.mask_token_id,
+        sample_from_anchor=sample_from_anchor, xpress_rank=12, xpress_mlp_ratio=3, num_jacobi_passes=4,
         speculators_config=SpeculatorsConfig(
             algorithm="xpress", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=B - 1)],
             default_proposal_method="greedy",
@@ -388,7 +394,8 @@ def test_speculators_written_checkpoint_is_read(tiny_target, tmp_path, monkeypat
     anchors = torch.tensor([1, 8, 19])
     tf, _, base = speculators_forward(spec, tiny_target, ids, anchors, monkeypatch)
     o = our_blocks(drafter, tiny_target, ids, anchors)
-    ours = drafter.logits_head(tiny_target.lm_head)(o.draft_hidden[0]) + drafter.refiner_head.readout(o.markov_u[0])
+    ours = (drafter.logits_head(tiny_target.lm_head)(o.draft_hidden[0])
+            + drafter.refiner_head.readout(o.markov_u[0]))
     torch.testing.assert_close(ours, tf[:, 1:], rtol=1e-5, atol=1e-5)
 
 
@@ -409,8 +416,9 @@ def test_short_training_run_lowers_the_loss_and_grows_from_dflash(trained_drafte
     out = tmp_path / "ft"
     train_main([f"output_dir={out}", f"model.init_from={trained_drafter_dir}", "max_steps=8", "train.lr=3e-3",
                 f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=8", "model.variant=xpress", f"model.xpress_rank={RANK}", "eval.max_samples=4",
-                "eval.every=0", "log_every=1", "checkpoint_every=0", "loss.terms={ce: 0.1, tv: 0.9}"])
+                "train.batch_size=8", "model.variant=xpress", f"model.xpress_rank={RANK}",
+                "eval.max_samples=4", "eval.every=0", "log_every=1", "checkpoint_every=0",
+                "loss.terms={ce: 0.1, tv: 0.9}"])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r and "step" in r]
     assert len(losses) >= 8 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
@@ -442,8 +450,9 @@ def test_bad_xpress_recipes_are_one_line_exit_2(tmp_path, small_data, override, 
     from dflash_train.cli.train import main as train_main
 
     out = tmp_path / "run"
-    rc, _, err = run_main(train_main, [f"output_dir={out}", "model.variant=xpress", f"model.xpress_rank={RANK}",
-                                       "max_steps=1", f"data.train={small_data / 'train.jsonl'}",
+    rc, _, err = run_main(train_main, [f"output_dir={out}", "model.variant=xpress",
+                                       f"model.xpress_rank={RANK}", "max_steps=1",
+                                       f"data.train={small_data / 'train.jsonl'}",
                                        f"data.val={small_data / 'val.jsonl'}", override])
     assert rc == 2 and words in error_line(err), err[-2000:]
     assert not out.exists()  # nothing written
@@ -456,17 +465,18 @@ def test_eval_and_training_import_speculators_xpress(tiny_target, tmp_path, smal
     from dflash_train.cli.train import main as train_main
 
     speculators_written_xpress(tmp_path / "spec", tiny_target)
-    eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "2", "--budgets", "0,8", "--max-new-tokens", "16",
-               "--output", str(tmp_path / "eval")])
+    eval_main(["--drafter", str(tmp_path / "spec"), "--limit", "2", "--budgets", "0,8", "--max-new-tokens",
+               "16", "--output", str(tmp_path / "eval")])
     rep = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert rep["variant"] == "xpress" and (rep["xpress_rank"], rep["num_jacobi_passes"]) == (12, 4)
     assert all(r["lossless"] for r in rep["results"])
     chain = next(r for r in rep["results"] if r["method"] == "dflash")
     assert 1 <= chain["jacobi_passes"]["mean"] <= chain["jacobi_passes"]["max"] <= 4
     train_main([f"output_dir={tmp_path / 'ft'}", f"model.init_from={tmp_path / 'spec'}", "max_steps=2",
-                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}",
-                "train.batch_size=4", f"model.block_size={B}", "model.variant=xpress", "model.xpress_rank=12",
-                "model.xpress_mlp_ratio=3", "model.num_jacobi_passes=4", "eval.max_samples=4"])
+                "train.lr=1e-12", f"data.train={small_data / 'train.jsonl'}",
+                f"data.val={small_data / 'val.jsonl'}", "train.batch_size=4", f"model.block_size={B}",
+                "model.variant=xpress", "model.xpress_rank=12", "model.xpress_mlp_ratio=3",
+                "model.num_jacobi_passes=4", "eval.max_samples=4"])
     start, end = load_drafter(tmp_path / "spec")[0], load_drafter(tmp_path / "ft" / "final")[0]
     for k, v in start.state_dict().items():
         torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
@@ -497,7 +507,8 @@ def test_draft_vocabulary_run_keeps_the_vocabulary_and_lowers_the_loss(xpress_dr
     assert end.config.draft_vocab_size == 128 and torch.equal(end.t2d, start.t2d)
     assert end.refiner_head.readout.weight.shape == (128, RANK)
     assert end.refiner_head.token_embed.weight.shape[0] == end.config.vocab_size
-    losses = [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    losses = [r["loss"] for r in map(json.loads,
+                                     (out / "metrics.jsonl").read_text().splitlines()) if "step" in r]
     assert losses[-1] < losses[0], losses
 
 
@@ -534,7 +545,8 @@ def test_draft_vocabulary_export_loads_in_speculators(tiny_target, xpress_draft_
     export_main(["--format", "speculators", "--checkpoint", str(final), "--output", str(tmp_path / "spec")])
     config = XPressSpeculatorConfig.from_pretrained(str(tmp_path / "spec"))
     config.transformer_layer_config._attn_implementation = "sdpa"
-    spec = SpeculatorModel.from_pretrained(str(tmp_path / "spec"), config=config, verifier=str(TINY_TARGET)).eval()
+    spec = SpeculatorModel.from_pretrained(str(tmp_path / "spec"), config=config,
+                                           verifier=str(TINY_TARGET)).eval()
     ours = load_drafter(final)[0].eval()
     assert spec.draft_vocab_size == 128 and torch.equal(spec.t2d, ours.t2d)
     Bs = ours.config.block_size
@@ -548,7 +560,8 @@ def test_draft_vocabulary_export_loads_in_speculators(tiny_target, xpress_draft_
     def grab(logits_tf, *a, **k):
         seen["tf"] = logits_tf
         raise Captured
-    monkeypatch.setattr(dflash_core, "select_anchors", lambda lm, n, bs: (anchors, torch.ones(n, dtype=torch.bool)))
+    monkeypatch.setattr(dflash_core, "select_anchors",
+                        lambda lm, n, bs: (anchors, torch.ones(n, dtype=torch.bool)))
     monkeypatch.setattr(xpress_core, "compute_metrics", grab)
     out = tiny_target.model.get_decoder()(input_ids=ids, output_hidden_states=True)
     taps = torch.cat([out.hidden_states[i] for i in spec.config.aux_hidden_state_layer_ids], -1)
@@ -602,7 +615,8 @@ def test_sampling_on_the_tiny_target_follows_its_distribution(tiny_target, train
     gen = torch.Generator().manual_seed(0)
     N, counts, accepted = 600, torch.zeros(V), 0
     for _ in range(N):
-        r = decode(tiny_target, drafter, prompt, method, budget, temperature=1.0, max_new_tokens=3, generator=gen)
+        r = decode(tiny_target, drafter, prompt, method, budget, temperature=1.0, max_new_tokens=3,
+                   generator=gen)
         counts[r.tokens[1]] += 1
         accepted += r.accept_lengths[0] - 1
     assert accepted > N // 20, accepted  # the walk followed drafted tokens

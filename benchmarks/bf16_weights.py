@@ -55,10 +55,12 @@ def costs(targets: dict, drafter, context: int, rounds: int) -> dict:
             c = measure_costs(targets[kind], drafter, context, [1], widths=WIDTHS, rounds=1, seed=r)
             ms[kind]["verify"].append(c["verify_ms"][0])
             ms[kind]["draft"].append(c["draft_ms"][0][0])
-            print(kind, r, [round(x, 1) for x in c["verify_ms"][0]], round(c["draft_ms"][0][0], 1), flush=True)
+            print(kind, r, [round(x, 1) for x in c["verify_ms"][0]], round(c["draft_ms"][0][0], 1),
+                  flush=True)
     med = {}
     for k, v in ms.items():
-        by_width = {w: round(statistics.median(row[i] for row in v["verify"]), 2) for i, w in enumerate(WIDTHS)}
+        by_width = {w: round(statistics.median(row[i] for row in v["verify"]), 2)
+                    for i, w in enumerate(WIDTHS)}
         med[k] = {"verify_ms_by_width": by_width, "draft_ms": round(statistics.median(v["draft"]), 2),
                   "verify_x_width_1": {w: round(t / by_width[1], 3) for w, t in by_width.items()}}
     med["bf16_weights_over_fp32"] = {w: round(med["bf16-weights"]["verify_ms_by_width"][w]
@@ -78,11 +80,13 @@ def departure(targets: dict, limit: int, max_new_tokens: int) -> dict:
             got = {k: decode_prompt(t, None, prompt, Sample(0, i, 0, "ar", 0), args, stops, seed=i,
                                     max_new_tokens=max_new_tokens).outputs for k, t in targets.items()}
             for a, b in zip(got["fp32"], got["bf16-weights"]):
-                turns.append({"prompt": i, "tokens": [len(a), len(b)], "first_difference": first_difference(a, b)})
+                turns.append({"prompt": i, "tokens": [len(a), len(b)],
+                              "first_difference": first_difference(a, b)})
             print(spec, i, [t["first_difference"] for t in turns if t["prompt"] == i], flush=True)
         parted = [t for t in turns if t["first_difference"] is not None]
         out[spec] = {"prompts": len(prompts), "turns": len(turns), "turns_equal": len(turns) - len(parted),
-                     "prompts_equal": sum(all(t["first_difference"] is None for t in turns if t["prompt"] == i)
+                     "prompts_equal": sum(all(t["first_difference"] is None for t in turns
+                                              if t["prompt"] == i)
                                           for i in range(len(prompts))),
                      "median_first_difference": (statistics.median(t["first_difference"] for t in parted)
                                                  if parted else None),
@@ -113,13 +117,15 @@ def main() -> None:
     use_stream_linear(drafter)
     cost = costs(targets, drafter, args.context, args.rounds)
     parted = departure(targets, args.limit, args.max_new_tokens)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     out = {"command": "python " + " ".join(sys.argv), "commit": commit,
            "machine": hardware_record(torch.device("cpu")), "target": args.target, "drafter": args.drafter,
            "context": args.context, "rounds": args.rounds, "costs": cost, "departure": parted}
     Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(cost["medians"], indent=1))
-    print(json.dumps({s: {k: v for k, v in d.items() if k != "turns_detail"} for s, d in parted.items()}, indent=1))
+    print(json.dumps({s: {k: v for k, v in d.items() if k != "turns_detail"} for s, d in parted.items()},
+                     indent=1))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ def main():
     p.add_argument("--rows", type=int, default=400)
     args = p.parse_args()
     target = load_target(str(ROOT / "data" / "tiny-target"))
-    ds = load_conversations(str(ROOT / "data" / "tiny" / "train.jsonl"), target.tokenizer, 256).select(range(args.rows))
+    ds = load_conversations(str(ROOT / "data" / "tiny" / "train.jsonl"), target.tokenizer,
+                            256).select(range(args.rows))
     print(f"\ntiny target (8 layers, hidden 128), taps [1, 5], {args.rows} conversations, CPU\n")
     print(f"{'dtype':>9} {'tokens':>8} {'s':>6} {'tokens/s':>9} {'bytes/token':>12} {'on disk/token':>14}")
     for dtype in ["float32", "bfloat16", "fp8"]:
@@ -43,13 +44,15 @@ def main():
     print(f"{'dtype':>9} {'bytes/token':>12} {'per 3072-token sample':>22} {'800K samples x 1K tokens':>25}")
     for dtype in ["bfloat16", "fp8"]:
         bpt = bytes_per_token(5, 4096, dtype)
-        print(f"{dtype:>9} {bpt:>12,} {bpt * 3072 / 2**20:>18.1f} MiB {bpt * 800e3 * 1024 / 2**40:>21.1f} TiB")
+        print(f"{dtype:>9} {bpt:>12,} {bpt * 3072 / 2**20:>18.1f} MiB "
+              f"{bpt * 800e3 * 1024 / 2**40:>21.1f} TiB")
     flops = 2 * 8.19e9  # forward FLOPs per token of an 8.19B-parameter target
     for mfu in [0.3, 0.5]:
         tps = 790e12 * mfu / flops
         gib = tps * bytes_per_token(5, 4096, "bfloat16") / 2**30
         print(f"H200 at {mfu:.0%} of 790 bf16 TFLOP/s: ~{tps:,.0f} tokens/s per GPU (assumed, not measured), "
-              f"writing ~{gib:.1f} GiB/s in bf16 per GPU, ~{8 * gib:.0f} GiB/s for 8 GPUs: size the disk for it")
+              f"writing ~{gib:.1f} GiB/s in bf16 per GPU, ~{8 * gib:.0f} GiB/s for 8 GPUs: "
+              f"size the disk for it")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ def main() -> None:
             c = measure_costs(target, drafter, args.context, [1], widths=WIDTHS, rounds=1, seed=r)
             ms[kind]["verify"].append(c["verify_ms"][0])
             ms[kind]["draft"].append(c["draft_ms"][0][0])
-            print(kind, r, [round(x, 1) for x in c["verify_ms"][0]], round(c["draft_ms"][0][0], 1), flush=True)
+            print(kind, r, [round(x, 1) for x in c["verify_ms"][0]], round(c["draft_ms"][0][0], 1),
+                  flush=True)
     med = {k: {"verify_ms_by_width": {w: statistics.median(row[i] for row in v["verify"])
                                       for i, w in enumerate(WIDTHS)},
                "draft_ms": statistics.median(v["draft"])} for k, v in ms.items()}

@@ -89,7 +89,8 @@ def step_times(steps: int, overrides: list[str], seed: int) -> dict[str, list[fl
         anchors, anchor_valid = draw_anchors(batch, cfg.data.num_anchors, seed, i)
         for name in (list(runs) if i % 2 == 0 else list(runs)[::-1]):
             c, drafter, opt = runs[name]
-            B, ids, mask = drafter.config.block_size, drafter.config.target_layer_ids, drafter.config.mask_token_id
+            B, ids, mask = (drafter.config.block_size, drafter.config.target_layer_ids,
+                            drafter.config.mask_token_id)
             t0 = time.perf_counter()
             o = anchored_blocks(drafter, target, batch, anchors, anchor_valid, ids, B, mask)
             normalizer = loss_divisor(block_slots(batch, anchors, anchor_valid, B)[1], c.loss).clamp(min=1e-8)
@@ -105,10 +106,12 @@ def step_times(steps: int, overrides: list[str], seed: int) -> dict[str, list[fl
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help="training steps per drafter (default: the tiny recipe's)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per drafter (default: the tiny recipe's)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite for dflash-eval (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="dflash-eval tokens per assistant turn")
-    p.add_argument("--timing-steps", type=int, default=20, help="alternating steps per drafter for the step time")
+    p.add_argument("--timing-steps", type=int, default=20,
+                   help="alternating steps per drafter for the step time")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (OMP_NUM_THREADS)")
     p.add_argument("--output", default="runs/dflash2-table")
@@ -152,17 +155,19 @@ def main():
              "| TF EAL | TF DDTree @16 / @64 | TF off- / on-spine | lossless | step time vs DFlash |",
              "|---|---:|---|---:|---:|---:|---|---|:-:|---:|"]
     for r in results:
-        tf = r["tree_scores"] == "conditional" or r["variant"] == "dflash"  # validation's trees are conditional
+        # validation's trees are conditional
+        tf = r["tree_scores"] == "conditional" or r["variant"] == "dflash"
         lines.append(f"| {r['label']} | {f(r['tau_chain'], 2)} | "
                      + " / ".join(f(r[f'tau_ddtree_{b}'], 2) for b in BUDGETS)
                      + f" | {f(r['off_spine_acc'])} ({r['off_spine_nodes']}) | {f(r['on_spine_acc'])} "
-                     f"| {f(r['tf_eal'], 2)} | " + (" / ".join(f(x, 2) for x in r["tf_ddtree"]) if tf else "-")
+                     f"| {f(r['tf_eal'], 2)} "
+                     f"| " + (" / ".join(f(x, 2) for x in r["tf_ddtree"]) if tf else "-")
                      + " | " + (" / ".join(f(x) for x in r["tf_spine"]) if tf else "-")
                      + f" | {'yes' if r['lossless'] else 'NO'} | {r['step_time_vs_dflash']:.2f}x |")
     table = "\n".join(lines)
-    note = (f"{results[0]['prompts']} prompts, {results[0]['steps']} steps, seed {args.seed}; step time: median of "
-            f"{args.timing_steps} alternating steps, DFlash {1000 * median['dflash']:.0f} ms, DFlash2 "
-            f"{1000 * median['dflash2']:.0f} ms")
+    note = (f"{results[0]['prompts']} prompts, {results[0]['steps']} steps, seed {args.seed}; "
+            f"step time: median of {args.timing_steps} alternating steps, DFlash "
+            f"{1000 * median['dflash']:.0f} ms, DFlash2 {1000 * median['dflash2']:.0f} ms")
     print(f"\n{note}\n\n{table}")
     (out / "dflash2_table.md").write_text(table + "\n\n" + note + "\n")
     record = {"rows": results, "step_s": times, "note": note}

@@ -124,12 +124,14 @@ def main(argv=None):
     trees = {b: root_only_tree() if b == 0 else build_tree(logits, b) for b in budgets}
     print(f"target {args.target}, torch {torch.__version__}, {torch.get_num_threads()} thread(s); "
           f"curve = one request's verify forward at each width after `context` tokens")
-    print(f"{'context':>7} {'N':>3} {'budget':>6} {'width':>6} {'before ms':>9} {'after ms':>9} {'direct ms':>9} "
-          f"{'d/before':>8} {'d/after':>8} {'pad %':>6} {'max |dlogit|':>12}")
+    print(f"{'context':>7} {'N':>3} {'budget':>6} {'width':>6} {'before ms':>9} "
+          f"{'after ms':>9} {'direct ms':>9} {'d/before':>8} {'d/after':>8} {'pad %':>6} "
+          f"{'max |dlogit|':>12}")
     cells = []
     for context in contexts:
         for N in requests:
-            lengths = [round(context * (1 - args.spread + 2 * args.spread * i / max(N - 1, 1))) for i in range(N)]
+            lengths = [round(context * (1 - args.spread + 2 * args.spread * i / max(N - 1, 1)))
+                       for i in range(N)]
             g = torch.Generator().manual_seed(context + N)
             prompts = [torch.randint(0, V, (1, n), generator=g) for n in lengths]
             caches = [prefill(target, x) for x in prompts]
@@ -168,20 +170,22 @@ def main(argv=None):
                 flag = "*" if width > max(costs["widths"]) else " "
                 print(f"{context:>7} {N:>3} {b:>6} {width:>5}{flag} {before:>9.2f} {after:>9.2f} {d:>9.2f} "
                       f"{d / before:>8.2f} {d / after:>8.2f} {pad:>6.1f} {worst[b]:>12.2e}", flush=True)
-                cells.append({"context": context, "requests": N, "budget": b, "width": width, "lengths": lengths,
-                              "predicted_before_ms": before, "predicted_after_ms": after,
+                cells.append({"context": context, "requests": N, "budget": b, "width": width,
+                              "lengths": lengths, "predicted_before_ms": before, "predicted_after_ms": after,
                               "predicted_after_padded_ms": after_padded, "direct_ms": d,
                               "direct_over_before": d / before, "direct_over_after": d / after,
                               "extrapolated_axes": curves.extrapolated(N, b + 1), "pad_percent": pad,
                               "max_abs_dlogit": worst[b], "direct_runs_ms": direct[b]})
-            cells[-1]["costs"] = {"context": mean, "widths": costs["widths"], "verify_ms_rounds": curve_rounds,
-                                  "contexts": costs["contexts"], "context_widths": costs["context_widths"],
+            cells[-1]["costs"] = {"context": mean, "widths": costs["widths"],
+                                  "verify_ms_rounds": curve_rounds, "contexts": costs["contexts"],
+                                  "context_widths": costs["context_widths"],
                                   "context_verify_ms_rounds": context_rounds,
                                   "per_pair_ms": float(curves.per_pair_ms()[0])}
     print("* beyond the widest measured width (1024): extrapolated as dflash-eval does")
     if args.json:
         args.json.write_text(json.dumps({
-            "command": " ".join(["benchmarks/eval_concurrency.py", *(sys.argv[1:] if argv is None else argv)]),
+            "command": " ".join(["benchmarks/eval_concurrency.py",
+                                 *(sys.argv[1:] if argv is None else argv)]),
             "commit": commit + ("+dirty" if dirty else ""), "machine": hardware_record(torch.device("cpu")),
             "load_average": os.getloadavg(), "cells": cells}, indent=1) + "\n")
 

@@ -35,7 +35,8 @@ from dflash_train.evaluation.summary import summarize
 from dflash_train.evaluation.sweep import run_sweep, sweep_order, warm_up
 from dflash_train.model.target import load_target
 
-HOG = "import numpy as np\na = np.random.rand(700, 700)\nwhile True:\n    a = a @ a\n    a /= np.abs(a).max()\n"
+HOG = ("import numpy as np\na = np.random.rand(700, 700)\n"
+       "while True:\n    a = a @ a\n    a /= np.abs(a).max()\n")
 
 
 def start_hogs(n: int) -> list[subprocess.Popen]:
@@ -97,9 +98,10 @@ def main(argv=None):
     interleaved = sweep_order([n], methods, args.repeats)
     # the old order: each method over every prompt and repeat before the next method starts
     method_major = [(r, 0, i, m) for m in methods for r in range(args.repeats) for i in range(n)]
-    print(f"{n} prompts x {args.repeats} repeats x {len(methods)} methods, max {args.max_new_tokens} new tokens, "
-          f"torch {torch.__version__} with {torch.get_num_threads()} thread(s), {os.cpu_count()} CPUs, "
-          f"{args.hogs} hog process(es) from halfway; load average before: {Path('/proc/loadavg').read_text().split()[:3]}")
+    print(f"{n} prompts x {args.repeats} repeats x {len(methods)} methods, max "
+          f"{args.max_new_tokens} new tokens, torch {torch.__version__} with {torch.get_num_threads()} "
+          f"thread(s), {os.cpu_count()} CPUs, {args.hogs} hog process(es) from halfway; load average before: "
+          f"{Path('/proc/loadavg').read_text().split()[:3]}")
     warm_up(target, drafter, prompts[0], methods, args, stops)
 
     runs = {}

@@ -59,13 +59,15 @@ from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer, markov_
 from dflash_train.model.variants.xpress import (DEFAULT_MLP_RATIO, DEFAULT_PASSES, RefinerHead, XPressScorer,
                                                 jacobi_chain)
 
-# Qwen3-8B's config.json, and the published drafter z-lab/Qwen3-8B-DFlash-b16 (see shared/reference/dflash.md).
+# Qwen3-8B's config.json, and the published drafter z-lab/Qwen3-8B-DFlash-b16 (see
+# shared/reference/dflash.md).
 QWEN3_8B = dict(
     vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
     num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
-    max_position_embeddings=40960, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=36,
-    tie_word_embeddings=False, initializer_range=0.02, bos_token_id=151643, eos_token_id=151645,
+    max_position_embeddings=40960, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attention_bias=False,
+    use_sliding_window=False, sliding_window=None, max_window_layers=36, tie_word_embeddings=False,
+    initializer_range=0.02, bos_token_id=151643, eos_token_id=151645,
 )
 QWEN3_8B_DFLASH = dict(
     num_hidden_layers=5, block_size=16, target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=151669,
@@ -74,9 +76,9 @@ QWEN3_8B_DFLASH = dict(
 TINY = dict(
     vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_act="silu",
-    max_position_embeddings=4096, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-    attention_bias=False, use_sliding_window=False, sliding_window=None,
-    tie_word_embeddings=False, initializer_range=0.02,
+    max_position_embeddings=4096, rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, attention_bias=False,
+    use_sliding_window=False, sliding_window=None, tie_word_embeddings=False, initializer_range=0.02,
 )
 TINY_DFLASH = dict(num_hidden_layers=1, block_size=8, target_layer_ids=[1], mask_token_id=1023)
 
@@ -171,22 +173,30 @@ def scorer_costs(drafter, target, ctx, bonus: int, start: int, draft_logits: tor
         head = MarkovHead(V, SCORER_RANK, H, head_type).to(device=device, dtype=hidden.dtype).eval()
         scorer = MarkovScorer(head, hidden, bonus)
         key = f"dspark-{head_type}"
-        trees[key] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
-        holder = SimpleNamespace(markov_head=head, confidence_head=None)  # what markov_chain reads of a drafter
+        trees[key] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device)
+                      for b in budgets}
+        # what markov_chain reads of a drafter
+        holder = SimpleNamespace(markov_head=head, confidence_head=None)
         walks[key] = median_ms(lambda: markov_chain(holder, hidden, draft_logits, bonus), repeats, device)
         del head, scorer
-    selector = CandidateSelector(V, H, SCORER_RANK, SELECTOR_TOP_K).to(device=device, dtype=hidden.dtype).eval()
+    selector = CandidateSelector(V, H, SCORER_RANK, SELECTOR_TOP_K).to(device=device,
+                                                                       dtype=hidden.dtype).eval()
     scorer = SelectorScorer(selector, hidden, bonus)
-    trees["dflash2"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
-    walks["dflash2"] = median_ms(lambda: selector_chain(selector, hidden[1:], draft_logits, bonus), repeats, device)
+    trees["dflash2"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device)
+                        for b in budgets}
+    walks["dflash2"] = median_ms(lambda: selector_chain(selector, hidden[1:], draft_logits, bonus), repeats,
+                                 device)
     B = hidden.shape[0]
-    refiner = RefinerHead(V, H, B, SCORER_RANK, DEFAULT_MLP_RATIO).to(device=device, dtype=hidden.dtype).eval()
+    refiner = RefinerHead(V, H, B, SCORER_RANK, DEFAULT_MLP_RATIO).to(device=device,
+                                                                      dtype=hidden.dtype).eval()
     scorer = XPressScorer(refiner, hidden, bonus, bonus)
-    trees["xpress"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device) for b in budgets}
+    trees["xpress"] = {str(b): median_ms(lambda: build_tree(draft_logits, b, scorer), repeats, device)
+                       for b in budgets}
     # what jacobi_chain reads of a drafter; the walk is its passes (at most 6, fewer at a fixed point)
     holder = SimpleNamespace(refiner_head=refiner, lm_head=None,
                              config=SimpleNamespace(num_jacobi_passes=DEFAULT_PASSES))
-    walks["xpress"] = median_ms(lambda: jacobi_chain(holder, hidden, draft_logits, bonus, bonus), repeats, device)
+    walks["xpress"] = median_ms(lambda: jacobi_chain(holder, hidden, draft_logits, bonus, bonus), repeats,
+                                device)
     for key in trees:
         print(f"{key:>14}: tree " + ", ".join(f"{b}: {ms:.3f}" for b, ms in trees[key].items())
               + f"; chain walk {walks[key]:.3f} ms")
@@ -212,13 +222,16 @@ def main(argv=None):
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16", choices=list(DTYPES))
     p.add_argument("--context", type=int, default=512, help="tokens already in the target's cache")
-    p.add_argument("--widths", type=int_list, default=WIDTHS, help="verify widths (root + nodes), comma-separated")
-    p.add_argument("--budgets", type=int_list, default=BUDGETS, help="DDTree budgets (non-root nodes), comma-separated")
+    p.add_argument("--widths", type=int_list, default=WIDTHS,
+                   help="verify widths (root + nodes), comma-separated")
+    p.add_argument("--budgets", type=int_list, default=BUDGETS,
+                   help="DDTree budgets (non-root nodes), comma-separated")
     p.add_argument("--draft-batches", type=int_list, default=DRAFT_BATCHES, help="requests per drafter pass")
     p.add_argument("--contexts", type=int_list, default=None,
                    help=f"longer contexts for the verify cost's context axis, comma-separated ('' for none; "
                         f"default {CONTEXTS}, --tiny: {TINY_CONTEXTS})")
-    p.add_argument("--context-widths", type=int_list, default=CONTEXT_WIDTHS, help="widths timed at each of --contexts")
+    p.add_argument("--context-widths", type=int_list, default=CONTEXT_WIDTHS,
+                   help="widths timed at each of --contexts")
     p.add_argument("--repeats", type=int, default=20, help="timed runs per measurement (median)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "gpu_costs.json")
     p.add_argument("--tiny", action="store_true", help="tiny model shape, for a CPU smoke test")
@@ -235,12 +248,14 @@ def main(argv=None):
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            p.error("--device cuda but torch sees no CUDA device (use --tiny --device cpu --dtype float32 to smoke-test)")
+            p.error("--device cuda but torch sees no CUDA device (use --tiny --device cpu --dtype "
+                    "float32 to smoke-test)")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
 
     info = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine()),
+        "device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else (platform.processor() or platform.machine())),
         "torch": torch.__version__, "cuda": torch.version.cuda,
         "driver": driver_version() if device.type == "cuda" else None,
         "dtype": args.dtype, "shape": "tiny" if args.tiny else "Qwen3-8B + DFlash-b16 drafter",
@@ -271,12 +286,14 @@ def main(argv=None):
         taps = taps_from_hidden_states(out.hidden_states, layer_ids)  # [1, context, n*H]
         drafter.extend_context(ctx, taps,
                                torch.arange(start, device=device)[None])
-        _, draft_logits = draft_block(drafter, target, ctx, bonus, start)  # [L, V]: this drafter drafts in the full vocabulary
+        # [L, V]: this drafter drafts in the full vocabulary
+        _, draft_logits = draft_block(drafter, target, ctx, bonus, start)
         if not torch.isfinite(draft_logits).all():
             raise SystemExit("drafter logits are not finite: the random init is unusable in this dtype")
         del out
 
-        print(f"\nverify: decode.verify on [root + n nodes] after {start} cached tokens (ms, median of {args.repeats})")
+        print(f"\nverify: decode.verify on [root + n nodes] after {start} cached tokens (ms, median "
+              f"of {args.repeats})")
         print(f"{'width':>6} {'ms':>9}")
         verify_ms = {}
         for width in args.widths:
@@ -289,7 +306,8 @@ def main(argv=None):
             print(f"{width:>6} {verify_ms[str(width)]:>9.3f}")
 
         verify_by_context = {}
-        for total in sorted(t for t in set(args.contexts) if t > args.context):  # one request after `total` tokens
+        # one request after `total` tokens
+        for total in sorted(t for t in set(args.contexts) if t > args.context):
             long = DynamicCache(config=target.model.config)
             ids = torch.randint(0, target.model.config.vocab_size, (1, total), device=device)
             for i in range(0, total, 2048):  # chunked prefill: no [total, total] mask
@@ -310,7 +328,8 @@ def main(argv=None):
         draft_by_batch = {}
         for c in args.draft_batches:  # c requests with equal contexts, one drafter pass
             ctx_c = ContextCache(drafter.config.num_hidden_layers)
-            drafter.extend_context(ctx_c, taps.expand(c, -1, -1), torch.arange(start, device=device).expand(c, -1))
+            drafter.extend_context(ctx_c, taps.expand(c, -1, -1),
+                                   torch.arange(start, device=device).expand(c, -1))
             bonus_c = torch.full((c,), bonus, device=device)
             draft_by_batch[str(c)] = median_ms(lambda: draft_batch(drafter, target, ctx_c, bonus_c, start),
                                                args.repeats, device)
@@ -328,9 +347,11 @@ def main(argv=None):
                                           args.repeats, device)
         del cache, ctx, draft_logits
 
-        print(f"\nstep: one round of decode.decode ({STEP_ROUNDS} rounds per call after a {args.context}-token "
-              f"prefill; ms per round, median of {args.repeats} calls; tau near 1 with random weights)")
-        print(f"{'method':>7} {'budget':>6} {'round':>9} " + " ".join(f"{s:>8}" for s in STAGES) + f" {'tau':>5}")
+        print(f"\nstep: one round of decode.decode ({STEP_ROUNDS} rounds per call after a "
+              f"{args.context}-token prefill; ms per round, median of {args.repeats} calls; tau near 1 "
+              f"with random weights)")
+        print(f"{'method':>7} {'budget':>6} {'round':>9} " + " ".join(f"{s:>8}" for s in STAGES)
+              + f" {'tau':>5}")
         rows = [("dflash", L)] + [("ddtree", b) for b in args.budgets]
         chain_ms, chain_stages, ddtree_ms, ddtree_stages = None, None, {}, {}
         for method, budget in rows:

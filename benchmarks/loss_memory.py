@@ -42,20 +42,23 @@ def child(args) -> None:
     if args.child < 0:  # the baseline: inputs only
         print(json.dumps({"seconds": 0.0}))
         return
-    cfg = LossConfig(terms=json.loads(args.terms), position_weight=args.position_weight, chunk_slots=args.child)
+    cfg = LossConfig(terms=json.loads(args.terms), position_weight=args.position_weight,
+                     chunk_slots=args.child)
     t0 = time.perf_counter()
     loss, _ = dflash_loss(h, th, head, tokens, valid, cfg)
     loss.backward()
-    print(json.dumps({"seconds": time.perf_counter() - t0, "loss": loss.item(), "grad_sum": h.grad.abs().sum().item()}))
+    print(json.dumps({"seconds": time.perf_counter() - t0, "loss": loss.item(),
+                      "grad_sum": h.grad.abs().sum().item()}))
 
 
 def run_child(args, chunk: int) -> dict:
     cmd = [sys.executable, __file__, "--child", str(chunk), "--anchors", str(args.anchors), "--block-size",
-           str(args.block_size), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--terms", args.terms,
-           "--position-weight", args.position_weight, "--threads", str(args.threads)]
+           str(args.block_size), "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--terms",
+           args.terms, "--position-weight", args.position_weight, "--threads", str(args.threads)]
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err,
-                                env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)})
+                                env={**os.environ, "PYTHONPATH": str(ROOT),
+                                     "OMP_NUM_THREADS": str(args.threads)})
         _, status, usage = os.wait4(proc.pid, 0)  # rusage of this child alone (ru_maxrss in KiB on Linux)
         out.seek(0), err.seek(0)
         if os.waitstatus_to_exitcode(status) != 0:
@@ -68,12 +71,15 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--anchors", type=int, default=128, help="blocks (anchors) in the batch")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--hidden", type=int, default=512, help="hidden size (only the head's matmul cost depends on it)")
+    p.add_argument("--hidden", type=int, default=512,
+                   help="hidden size (only the head's matmul cost depends on it)")
     p.add_argument("--vocab", type=int, default=QWEN3_VOCAB)
     p.add_argument("--terms", default='{"ce": 0.1, "tv": 0.9}', help="loss.terms as JSON")
     p.add_argument("--position-weight", default="exp", choices=["exp", "dpace", "uniform"])
-    p.add_argument("--chunks", type=int, nargs="+", default=[1024, 512, 240], help="chunk_slots values to measure")
-    p.add_argument("--no-unchunked", action="store_true", help="skip chunk_slots=0 (needs ~7 x slots x V x 4 bytes)")
+    p.add_argument("--chunks", type=int, nargs="+", default=[1024, 512, 240],
+                   help="chunk_slots values to measure")
+    p.add_argument("--no-unchunked", action="store_true",
+                   help="skip chunk_slots=0 (needs ~7 x slots x V x 4 bytes)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -81,8 +87,8 @@ def main():
         return child(args)
 
     slots = args.anchors * (args.block_size - 1)
-    print(f"{slots} slots ({args.anchors} anchors x {args.block_size - 1}), V = {args.vocab}, H = {args.hidden}, "
-          f"terms {args.terms}, {args.position_weight} weights, {args.threads} thread(s); "
+    print(f"{slots} slots ({args.anchors} anchors x {args.block_size - 1}), V = {args.vocab}, "
+          f"H = {args.hidden}, terms {args.terms}, {args.position_weight} weights, {args.threads} thread(s); "
           f"one fp32 [slots, V] tensor = {slots * args.vocab * 4 / 2**30:.2f} GiB")
     base = run_child(args, -1)["peak_rss_mib"]
     print(f"baseline (imports + inputs): peak RSS {base:.0f} MiB\n")

@@ -73,11 +73,13 @@ def eval_row(report: dict) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=None, help="training steps per row (default: the tiny recipe's)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per row (default: the tiny recipe's)")
     p.add_argument("--limit", type=int, default=None, help="prompts per suite for dflash-eval (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="dflash-eval tokens per assistant turn")
     p.add_argument("--rows", nargs="+", choices=sorted(ROWS), default=list(ROWS), help="rows to run")
-    p.add_argument("--set", nargs="*", default=[], metavar="key=value", help="extra recipe overrides for every row")
+    p.add_argument("--set", nargs="*", default=[], metavar="key=value",
+                   help="extra recipe overrides for every row")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads per run (OMP_NUM_THREADS)")
     p.add_argument("--output", default="runs/objectives")
@@ -87,42 +89,48 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     common = [f"seed={args.seed}", "checkpoint_every=0", "eval.every=0", f"eval.ddtree_budgets={BUDGETS}",
-              "overwrite=true", "log_every=1000", *([f"max_steps={args.steps}"] if args.steps else []), *args.set]
+              "overwrite=true", "log_every=1000", *([f"max_steps={args.steps}"] if args.steps else []),
+              *args.set]
     results, skipped = [], []
     for row in args.rows:
         label, overrides = ROWS[row]
         problem = schema_problem(common + overrides)
         if problem:
-            print(f"note: skipping '{row}' ({label}): {problem} (not in this checkout's recipe schema yet)", flush=True)
+            print(f"note: skipping '{row}' ({label}): {problem} (not in this checkout's recipe schema yet)",
+                  flush=True)
             skipped.append({"row": row, "label": label, "reason": problem})
             continue
         run_dir = out / row
         t0 = time.time()
-        run([sys.executable, "-m", "dflash_train.train", "--recipe", str(RECIPE), f"output_dir={run_dir / 'run'}",
-             *common, *overrides], out / f"{row}.train.log", env)
-        run([sys.executable, "-m", "dflash_train.cli.eval", "--drafter", str(run_dir / "run" / "final"), "--budgets",
-             ",".join(map(str, BUDGETS)), "--max-new-tokens", str(args.max_new_tokens), "--output",
-             str(run_dir / "eval"), "--overwrite", "--device", "cpu", "--seed", str(args.seed),
+        run([sys.executable, "-m", "dflash_train.train", "--recipe", str(RECIPE),
+             f"output_dir={run_dir / 'run'}", *common, *overrides], out / f"{row}.train.log", env)
+        run([sys.executable, "-m", "dflash_train.cli.eval", "--drafter", str(run_dir / "run" / "final"),
+             "--budgets", ",".join(map(str, BUDGETS)), "--max-new-tokens", str(args.max_new_tokens),
+             "--output", str(run_dir / "eval"), "--overwrite", "--device", "cpu", "--seed", str(args.seed),
              *(["--limit", str(args.limit)] if args.limit else [])], out / f"{row}.eval.log", env)
         summary = json.loads((run_dir / "run" / "summary.json").read_text())
         report = json.loads((run_dir / "eval" / "report.json").read_text())
         tf = summary["eval"]
         results.append({
-            "row": row, "label": label, "overrides": overrides, "steps": summary["steps"], "train_s": summary["wall_s"],
-            **eval_row(report), "tf_eal": tf["eal"], **{f"tf_ddtree_{b}": tf["ddtree_tau"][str(b)] for b in BUDGETS},
-            "tf_alpha": sum(tf["alpha_per_position"]) / len(tf["alpha_per_position"]), "tf_acc_1": tf["acc_per_position"][0],
+            "row": row, "label": label, "overrides": overrides, "steps": summary["steps"],
+            "train_s": summary["wall_s"], **eval_row(report), "tf_eal": tf["eal"],
+            **{f"tf_ddtree_{b}": tf["ddtree_tau"][str(b)] for b in BUDGETS},
+            "tf_alpha": sum(tf["alpha_per_position"]) / len(tf["alpha_per_position"]),
+            "tf_acc_1": tf["acc_per_position"][0],
         })
         r = results[-1]
         print(f"{row}: {r['steps']} steps in {r['train_s']:.0f}s, tau chain {r['tau_chain']:.3f}, DDTree@16 "
-              f"{r['tau_ddtree_16']:.3f}, @64 {r['tau_ddtree_64']:.3f} (lossless {r['lossless']}); teacher-forced EAL "
-              f"{r['tf_eal']:.3f} ({time.time() - t0:.0f}s with eval)", flush=True)
+              f"{r['tau_ddtree_16']:.3f}, @64 {r['tau_ddtree_64']:.3f} (lossless {r['lossless']}); "
+              f"teacher-forced EAL {r['tf_eal']:.3f} ({time.time() - t0:.0f}s with eval)", flush=True)
 
-    lines = ["| objective | steps | train s | tau chain | DDTree@16 | DDTree@64 | lossless | TF EAL | TF DDTree@16 "
-             "| TF DDTree@64 | TF alpha | TF acc@1 |", "|---|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|"]
+    lines = ["| objective | steps | train s | tau chain | DDTree@16 | DDTree@64 | lossless | TF "
+             "EAL | TF DDTree@16 | TF DDTree@64 | TF alpha | TF acc@1 |",
+             "|---|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|"]
     for r in results:
-        lines.append(f"| {r['label']} | {r['steps']} | {r['train_s']:.0f} | {r['tau_chain']:.3f} | {r['tau_ddtree_16']:.3f} "
-                     f"| {r['tau_ddtree_64']:.3f} | {'yes' if r['lossless'] else 'NO'} | {r['tf_eal']:.3f} "
-                     f"| {r['tf_ddtree_16']:.3f} | {r['tf_ddtree_64']:.3f} | {r['tf_alpha']:.3f} | {r['tf_acc_1']:.3f} |")
+        lines.append(f"| {r['label']} | {r['steps']} | {r['train_s']:.0f} | {r['tau_chain']:.3f} | "
+                     f"{r['tau_ddtree_16']:.3f} | {r['tau_ddtree_64']:.3f} | "
+                     f"{'yes' if r['lossless'] else 'NO'} | {r['tf_eal']:.3f} | {r['tf_ddtree_16']:.3f} | "
+                     f"{r['tf_ddtree_64']:.3f} | {r['tf_alpha']:.3f} | {r['tf_acc_1']:.3f} |")
     for s in skipped:
         lines.append(f"| {s['label']} | skipped: {s['reason']} | | | | | | | | | | |")
     prompts = results[0]["prompts"] if results else 0

@@ -49,8 +49,10 @@ def main():
 
     t0 = time.perf_counter()
     conversations = read()
-    encoded = [r for r in chat.encode_conversations(tok, conversations, eot, 3072, False) if not isinstance(r, str)]
-    rows.append(("tokenize", len(conversations), sum(len(ids) for ids, _ in encoded), time.perf_counter() - t0))
+    encoded = [r for r in chat.encode_conversations(tok, conversations, eot, 3072, False)
+               if not isinstance(r, str)]
+    rows.append(("tokenize", len(conversations), sum(len(ids) for ids, _ in encoded),
+                 time.perf_counter() - t0))
 
     convs = read(args.regen_rows)
     stops = sorted(stop_token_ids(target.model, tok, eot))
@@ -60,15 +62,18 @@ def main():
         with tempfile.TemporaryDirectory() as work:
             t0 = time.perf_counter()
             _, stats = regen.regenerate(convs, tok, generate, s, Path(work), {})
-            rows.append((f"regenerate bs={bs}", len(convs), stats["generated_tokens"], time.perf_counter() - t0))
+            rows.append((f"regenerate bs={bs}", len(convs), stats["generated_tokens"],
+                         time.perf_counter() - t0))
 
     params = sum(p.numel() for p in target.model.parameters()) / 1e6
     print(f"\ntorch {torch.__version__}, {args.threads} thread(s), tiny target ({params:.1f}M parameters), "
           f"regeneration: greedy, max {args.max_new_tokens} new tokens per turn")
-    print(f"| {'stage':<18} | {'convs':>6} | {'tokens':>8} | {'seconds':>8} | {'convs/s':>8} | {'tokens/s':>9} |")
+    print(f"| {'stage':<18} | {'convs':>6} | {'tokens':>8} | {'seconds':>8} | {'convs/s':>8} "
+          f"| {'tokens/s':>9} |")
     print(f"|{'-' * 20}|{'-' * 8}|{'-' * 10}|{'-' * 10}|{'-' * 10}|{'-' * 11}|")
     for stage, n, tokens, sec in rows:
-        print(f"| {stage:<18} | {n:>6} | {tokens:>8} | {sec:>8.2f} | {n / sec:>8.1f} | {tokens / sec:>9.0f} |")
+        print(f"| {stage:<18} | {n:>6} | {tokens:>8} | {sec:>8.2f} | {n / sec:>8.1f} | "
+              f"{tokens / sec:>9.0f} |")
 
 
 if __name__ == "__main__":

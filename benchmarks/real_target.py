@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE", Path.home() / ".cache" / "dflash-train" / "real-target"))
+DEFAULT_CACHE = Path(os.environ.get("DFLASH_BENCH_CACHE",
+                                    Path.home() / ".cache" / "dflash-train" / "real-target"))
 ENV = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                     "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
 BIN = Path(sys.executable).parent
@@ -57,7 +58,8 @@ def run(cmd: list[str], log: Path) -> float:
     return time.time() - t
 
 
-def select_prompts(sharegpt: Path, tokenizer_dir: Path, out: Path, n: int, max_prompt_tokens: int, seed: int) -> dict:
+def select_prompts(sharegpt: Path, tokenizer_dir: Path, out: Path, n: int, max_prompt_tokens: int,
+                   seed: int) -> dict:
     """n ShareGPT first turns whose chat-formatted prompt has <= max_prompt_tokens tokens, drawn with
     `seed`, then ordered by length so a regeneration batch pads little."""
     from transformers import AutoTokenizer
@@ -67,7 +69,8 @@ def select_prompts(sharegpt: Path, tokenizer_dir: Path, out: Path, n: int, max_p
     random.Random(seed).shuffle(rows)
     picked = []
     for row in rows:
-        ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = tok.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                      return_dict=True)
         if len(ids["input_ids"]) <= max_prompt_tokens:
             picked.append((len(ids["input_ids"]), row))
         if len(picked) == n:
@@ -94,17 +97,19 @@ TEMPERATURES = {"full": (0.0, 1.0), "quick": (0.0,)}
 # The variant rows: recipe, and for the objectives' question the DFlash recipe with other losses.
 ROWS = {"dflash": "recipes/smollm2-135m.yaml", "dspark": "recipes/smollm2-135m-dspark.yaml",
         "dflash2": "recipes/smollm2-135m-dflash2.yaml"}
-# Drafters trained for the tree they are decoded with (dflash_train/training/tree_distill.py): a variant row plus
-# one tree-native change, at the same steps. Tree distillation: 4 blocks a step, each its own
+# Drafters trained for the tree they are decoded with (dflash_train/training/tree_distill.py): a variant row
+# plus one tree-native change, at the same steps. Tree distillation: 4 blocks a step, each its own
 # 32-node tree labelled by one extra target forward; weight 1 (a node's KL is on the scale of a slot's CE).
 # Off-path traces: the same training prompts answered by the target at temperature 1 (data "t1"), so
 # teacher-forced predecessors are often not its argmax; validation stays on the greedy val set.
 TREE_DISTILL = ["tree_distill.weight=1.0", "tree_distill.anchors=4", "tree_distill.budget=32"]
 TREE_ROWS = {"dspark-treedistill": ("dspark", TREE_DISTILL, "t0"),
-             "dflash2-treedistill": ("dflash2", TREE_DISTILL, "t0"),  # DFlash2: the best variant row (selector tree)
+             # DFlash2: the best variant row (selector tree)
+             "dflash2-treedistill": ("dflash2", TREE_DISTILL, "t0"),
              "dflash2-offpath": ("dflash2", [], "t1"),
              "dflash2-offpath-treedistill": ("dflash2", TREE_DISTILL, "t1"),
-             # (3) the previous-token head: DSpark's W1 trained through the target's embedding (markov_embed.py)
+             # (3) the previous-token head: DSpark's W1 trained through the target's embedding
+             # (markov_embed.py)
              "dspark-embedw1": ("dspark", ["model.markov_w1_embed=true"], "t0"),
              "dspark-embedw1-treedistill": ("dspark", ["model.markov_w1_embed=true", *TREE_DISTILL], "t0")}
 OBJECTIVES = {"ce-exp": ["loss.position_weight=exp"], "ce-dpace": [], "kl": ["loss.terms={kl: 1.0}"],
@@ -143,21 +148,24 @@ class Bench:
 
     # -- data
     def fetch(self):
-        run([sys.executable, "-m", "dflash_train.data.real_target", "--dest", str(self.real)], self.logs / "fetch.log")
+        run([sys.executable, "-m", "dflash_train.data.real_target", "--dest", str(self.real)],
+            self.logs / "fetch.log")
 
     def select(self):
-        info = select_prompts(self.real / "prompts" / "sharegpt.jsonl", self.target, self.root / "data" / "prompts.jsonl",
-                              self.s["prompts"], self.s["max_prompt_tokens"], seed=0)
+        info = select_prompts(self.real / "prompts" / "sharegpt.jsonl", self.target,
+                              self.root / "data" / "prompts.jsonl", self.s["prompts"],
+                              self.s["max_prompt_tokens"], seed=0)
         (self.root / "data" / "select.json").write_text(json.dumps(info) + "\n")
 
     def prepare(self):
         if (self.root / "data" / "prepared" / "prepare_info.json").is_file():
             return  # finished earlier (timings lost): dflash-prepare would refuse a full output
-        run([str(BIN / "dflash-prepare"), "--input", str(self.root / "data" / "prompts.jsonl"), "--format", "messages",
-             "--target", str(self.target), "--output", str(self.root / "data" / "prepared"), "--regenerate",
-             "--temperature", "0", "--max-new-tokens", str(self.s["answer_tokens"]), "--keep-truncated",
-             "--batch-size", "16", "--target-dtype", "bf16", "--val-size", str(self.s["val"]), "--seed", "0",
-             "--max-length", "512", "--min-supervised-tokens", "16"], self.logs / "prepare.log")
+        run([str(BIN / "dflash-prepare"), "--input", str(self.root / "data" / "prompts.jsonl"), "--format",
+             "messages", "--target", str(self.target), "--output", str(self.root / "data" / "prepared"),
+             "--regenerate", "--temperature", "0", "--max-new-tokens", str(self.s["answer_tokens"]),
+             "--keep-truncated", "--batch-size", "16", "--target-dtype", "bf16", "--val-size",
+             str(self.s["val"]), "--seed", "0", "--max-length", "512", "--min-supervised-tokens", "16"],
+            self.logs / "prepare.log")
 
     def select_t1(self):
         """The off-path traces' prompts: the first user turns of the greedy set's training rows (its
@@ -172,13 +180,15 @@ class Bench:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        split = {name: [r["input_ids"] for r in load_from_disk(str(prepared / name))] for name in ("train", "val")}
+        split = {name: [r["input_ids"] for r in load_from_disk(str(prepared / name))]
+                 for name in ("train", "val")}
         rows = [json.loads(line) for line in (prepared / "regenerated.jsonl").read_text().splitlines()]
         keep, val_rows = [], 0
         for r in rows:
             prompt = tok.apply_chat_template(r["messages"][:1], add_generation_prompt=True, tokenize=True,
                                              return_dict=True)["input_ids"]
-            starts = {name: any(ids[: len(prompt)] == prompt for ids in rows_) for name, rows_ in split.items()}
+            starts = {name: any(ids[: len(prompt)] == prompt for ids in rows_)
+                      for name, rows_ in split.items()}
             val_rows += starts["val"]
             if starts["train"] and not starts["val"]:
                 keep.append({"messages": r["messages"][:1]})
@@ -193,35 +203,37 @@ class Bench:
         if (out / "prepare_info.json").is_file():
             return
         run([str(BIN / "dflash-prepare"), "--input", str(self.root / "data" / "prompts-t1.jsonl"), "--format",
-             "messages", "--target", str(self.target), "--output", str(out), "--regenerate", "--temperature", "1",
-             "--max-new-tokens", str(self.s["answer_tokens"]), "--keep-truncated", "--batch-size", "16",
+             "messages", "--target", str(self.target), "--output", str(out), "--regenerate", "--temperature",
+             "1", "--max-new-tokens", str(self.s["answer_tokens"]), "--keep-truncated", "--batch-size", "16",
              "--target-dtype", "bf16", "--seed", "0", "--max-length", "512", "--min-supervised-tokens", "16"],
             self.logs / "prepare-t1.log")
 
     def train_data(self, data: str) -> Path:
         """The training conversations: the greedy set's train split ("t0") or the temperature-1 set ("t1")."""
-        return self.root / "data" / ("prepared" if data == "t0" else "prepared-t1") / ("train" if data == "t0" else "")
+        return (self.root / "data" / ("prepared" if data == "t0" else "prepared-t1")
+                / ("train" if data == "t0" else ""))
 
     def cache_states(self, target_dtype: str, data: str = "t0"):
         run([str(BIN / "dflash-cache"), "--data", str(self.train_data(data)),
-             "--target", str(self.target), "--output", str(self.cache_dir(target_dtype, data)), "--target-layer-ids",
-             "1,27", "--max-length", "512", "--target-dtype", target_dtype],
+             "--target", str(self.target), "--output", str(self.cache_dir(target_dtype, data)),
+             "--target-layer-ids", "1,27", "--max-length", "512", "--target-dtype", target_dtype],
             self.logs / f"cache-{target_dtype}{'' if data == 't0' else '-' + data}.log")
 
     def cache_dir(self, target_dtype: str, data: str = "t0") -> Path:
         return self.root / "data" / f"cache-{target_dtype}{'' if data == 't0' else '-' + data}"
 
     # -- training
-    def train(self, name: str, recipe: str, extra: list[str], steps: int | None = None, cache: str | None = "bf16",
-              data: str = "t0"):
+    def train(self, name: str, recipe: str, extra: list[str], steps: int | None = None,
+              cache: str | None = "bf16", data: str = "t0"):
         out = self.root / "runs" / name
         if (out / "summary.json").is_file():
             return
         prepared = self.root / "data" / "prepared"
         cmd = [str(BIN / "accelerate"), "launch", "-q", "--num_processes", "1", "--num_machines", "1",
-               "--mixed_precision", "no", "--dynamo_backend", "no", "dflash_train/train.py", "--recipe", recipe,
-               f"output_dir={out}", f"model.target={self.target}", f"data.train={self.train_data(data)}",
-               f"data.val={prepared / 'val'}", f"max_steps={steps or self.s['steps']}",
+               "--mixed_precision", "no", "--dynamo_backend", "no", "dflash_train/train.py", "--recipe",
+               recipe, f"output_dir={out}", f"model.target={self.target}",
+               f"data.train={self.train_data(data)}", f"data.val={prepared / 'val'}",
+               f"max_steps={steps or self.s['steps']}",
                f"data.hidden_state_cache={self.cache_dir(cache, data) if cache else 'null'}", *extra]
         run(cmd, self.logs / f"train-{name}.log")
 
@@ -242,7 +254,8 @@ class Bench:
         cmd = [str(BIN / "dflash-eval"), "--drafter", str(self.root / "runs" / name / "final"),
                "--budgets", self.s["budgets"], "--temperature", str(temperature),
                "--max-new-tokens", str(self.s["eval_tokens"]), "--limit", str(self.s["eval_limit"]),
-               "--concurrency", "1", "--target-dtype", "fp32" if temperature == 0 else "bf16", "--output", str(out)]
+               "--concurrency", "1", "--target-dtype", "fp32" if temperature == 0 else "bf16", "--output",
+               str(out)]
         for suite in SUITES:  # the fetched files, by path: the suite is named after the file
             cmd += ["--suite", str(self.real / "prompts" / f"{suite}.jsonl")]
         run(cmd, self.logs / f"eval-{name}.log")
@@ -253,7 +266,8 @@ class Bench:
     def speed(self):
         n = self.s["speed_steps"]
         for rep in range(2):
-            for setting, extra, cache in [("online-fp32", [], None), ("cache-bf16", ["train.precision=bf16"], "bf16")]:
+            for setting, extra, cache in [("online-fp32", [], None),
+                                          ("cache-bf16", ["train.precision=bf16"], "bf16")]:
                 self.train(f"speed-{setting}-{rep}", ROWS["dflash"],
                            extra + ["checkpoint_every=0", "eval.max_samples=1", "eval.ddtree_budgets=[16]",
                                     "eval.deploy_budget=16"],  # validation measures the budget it chooses for
@@ -274,14 +288,16 @@ class Bench:
         # 20 steps cannot tell the two apart, and it took --quick past 20 minutes (measured: 4.5 min)
         if self.mode == "full":
             self.timed("cache-fp32", lambda: self.cache_states("fp32"))
-            self.timed("train-dflash-fp32taps", lambda: self.train("dflash-fp32taps", ROWS["dflash"], [], cache="fp32"))
+            self.timed("train-dflash-fp32taps",
+                       lambda: self.train("dflash-fp32taps", ROWS["dflash"], [], cache="fp32"))
             self.timed("eval-dflash-fp32taps-t0", lambda: self.evaluate("dflash-fp32taps", 0.0))
         if tree:
             self.timed("select-t1", self.select_t1)
             self.timed("prepare-t1", self.prepare_t1)
             self.timed("cache-bf16-t1", lambda: self.cache_states("bf16", "t1"))
             for name, (base, extra, data) in TREE_ROWS.items():
-                self.timed(f"train-{name}", lambda n=name, b=base, e=extra, d=data: self.train(n, ROWS[b], e, data=d))
+                self.timed(f"train-{name}",
+                           lambda n=name, b=base, e=extra, d=data: self.train(n, ROWS[b], e, data=d))
                 for t in TEMPERATURES[self.mode]:
                     self.timed(f"eval-{name}-t{t:g}", lambda n=name, t=t: self.evaluate(n, t))
         if objectives:
@@ -290,7 +306,9 @@ class Bench:
                     name = f"obj-{obj}-s{seed}"
                     if obj == "ce-dpace" and seed == 0:
                         continue  # = the dflash row
-                    self.timed(f"train-{name}", lambda n=name, e=extra, s=seed: self.train(n, ROWS["dflash"], e + [f"seed={s}"]))
+                    self.timed(f"train-{name}",
+                               lambda n=name, e=extra, s=seed: self.train(n, ROWS["dflash"],
+                                                                          e + [f"seed={s}"]))
                     self.timed(f"eval-{name}-t0", lambda n=name: self.evaluate(n, 0.0))
 
     # -- the table
@@ -318,24 +336,30 @@ class Bench:
                     "ddtree_tau": {str(b): r["tau"] for b, r in trees.items()},
                     "off_spine_acc": {str(b): r["off_spine_acc"] for b, r in trees.items()},
                     "on_spine_acc": {str(b): r["on_spine_acc"] for b, r in trees.items()},
-                    "calibration_error": {str(b): (r.get("calibration") or {}).get("ece") for b, r in trees.items()},
+                    "calibration_error": {str(b): (r.get("calibration") or {}).get("ece")
+                                          for b, r in trees.items()},
                     "stated_vs_measured": {str(b): [(r.get("calibration") or {}).get("stated"),
-                                                    (r.get("calibration") or {}).get("measured")] for b, r in trees.items()},
+                                                    (r.get("calibration") or {}).get("measured")]
+                                           for b, r in trees.items()},
                     # exact at temperature 0 (equal to plain decoding); at T > 0 not an equality (None)
-                    "lossless": all(r["lossless"] is True for r in res) if report["temperature"] == 0 else None,
+                    "lossless": all(r["lossless"] is True for r in res)
+                    if report["temperature"] == 0 else None,
                     "dtype": report["hardware"].get("dtype"),
                     "best": {"method": best["method"], "budget": best["budget"], "speedup": best["speedup"],
                              "interval": best["speedup_interval"]},
-                    "speedup": {f"{r['method']}@{r['budget']}": [r["speedup"], r["speedup_interval"]] for r in tried},
+                    "speedup": {f"{r['method']}@{r['budget']}": [r["speedup"], r["speedup_interval"]]
+                                for r in tried},
                     "loops": loops,
                     # wall time over the steps this process ran (a resumed run did not run the first ones)
-                    "train_s_per_step": round(summary["wall_s"] / (summary["steps"] - summary.get("resumed_from_step", 0)), 2),
+                    "train_s_per_step": round(summary["wall_s"] / (summary["steps"]
+                                                                   - summary.get("resumed_from_step", 0)), 2),
                     "train_tokens_per_s": summary.get("train_tokens_per_s"),
                 })
         speed = {}
         for setting in ("online-fp32", "cache-bf16"):
             runs = [json.loads((self.root / "runs" / f"speed-{setting}-{rep}" / "summary.json").read_text())
-                    for rep in range(2) if (self.root / "runs" / f"speed-{setting}-{rep}" / "summary.json").is_file()]
+                    for rep in range(2) if (self.root / "runs" / f"speed-{setting}-{rep}"
+                                            / "summary.json").is_file()]
             if runs:
                 speed[setting] = [r["train_tokens_per_s"] for r in runs]
         if len(speed) == 2:
@@ -364,25 +388,32 @@ class Bench:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| row | suite | T (dtype) | chain tau | DDTree @16 / @64 / @256 | off-spine @64 | calibration error @64 | loops | "
-             "lossless | best (speedup, 90% interval) | train s/step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| row | suite | T (dtype) | chain tau | DDTree @16 / @64 / @256 | off-spine @64 | calibration "
+             "error @64 | loops | lossless | best (speedup, 90% interval) | train s/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        trees = " / ".join(f"{r['ddtree_tau'][b]:.2f}" if b in r["ddtree_tau"] else "-" for b in ("16", "64", "256"))
+        trees = " / ".join(f"{r['ddtree_tau'][b]:.2f}" if b in r["ddtree_tau"] else "-"
+                           for b in ("16", "64", "256"))
         best = r["best"]
-        label = "chain" if best["method"] == "dflash" else f"@{best['budget']}" if best["method"] == "ddtree" else "AR"
-        loops = f"{r['loops']['looping']}/{r['loops']['replies']}" if r["loops"]["replies"] is not None else "-"
+        label = ("chain" if best["method"] == "dflash" else f"@{best['budget']}" if best["method"]
+                 == "ddtree" else "AR")
+        loops = (f"{r['loops']['looping']}/{r['loops']['replies']}"
+                 if r["loops"]["replies"] is not None else "-")
         interval = best["interval"] or [None, None]
         lossless = "n/a (T>0)" if r["lossless"] is None else r["lossless"]
-        lines.append(f"| {r['row']} | {r['suite']} | {r['temperature']:g} ({r.get('dtype')}) | {r['chain_tau']:.2f} | {trees} | "
-                     f"{r['off_spine_acc'].get('64')} | {r.get('calibration_error', {}).get('64')} | {loops} | {lossless} | {label} {best['speedup']} "
-                     f"[{interval[0]}, {interval[1]}] | {r['train_s_per_step']} |")
+        lines.append(f"| {r['row']} | {r['suite']} | {r['temperature']:g} ({r.get('dtype')}) | "
+                     f"{r['chain_tau']:.2f} | {trees} | {r['off_spine_acc'].get('64')} | "
+                     f"{r.get('calibration_error', {}).get('64')} | {loops} | {lossless} | {label} "
+                     f"{best['speedup']} [{interval[0]}, {interval[1]}] | {r['train_s_per_step']} |")
     return "\n".join(lines)
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")),
                platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()}
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform()}
 
 
 def main() -> int:
@@ -390,27 +421,32 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="small: every stage, in minutes")
     p.add_argument("--objectives", action="store_true", help="also the DFlash objective rows, two seeds")
     p.add_argument("--tree", action="store_true",
-                   help="also the tree-trained rows (TREE_ROWS); their table -> benchmarks/results/tree_native.json")
+                   help="also the tree-trained rows (TREE_ROWS); their table -> "
+                        "benchmarks/results/tree_native.json")
     p.add_argument("--stages", default="",
                    help="only the stages whose names start with these (comma-separated, e.g. train or eval): "
                         "two runs, one training and one evaluating, use both cores")
     p.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help=f"stage outputs (default {DEFAULT_CACHE})")
-    p.add_argument("--output", default=None, help="results JSON (default benchmarks/results/real_target[_quick].json)")
+    p.add_argument("--output", default=None,
+                   help="results JSON (default benchmarks/results/real_target[_quick].json)")
     args = p.parse_args()
     stages = tuple(x.strip() for x in args.stages.split(",") if x.strip())
     bench = Bench(Path(args.cache_dir), "quick" if args.quick else "full", stages)
     bench.all(args.objectives, args.tree)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     # tracked files changed since that commit (the run's code is then not exactly the commit's)
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
                                 text=True, cwd=ROOT).stdout.strip())
-    result = {"command": "python " + " ".join(sys.argv), "commit": commit, "dirty": dirty, "machine": machine(),
-              "mode": bench.mode, "settings": bench.s} | bench.table()
-    out = Path(args.output or ROOT / "benchmarks" / "results" / f"real_target{'_quick' if args.quick else ''}.json")
+    result = {"command": "python " + " ".join(sys.argv), "commit": commit, "dirty": dirty,
+              "machine": machine(), "mode": bench.mode, "settings": bench.s} | bench.table()
+    out = Path(args.output or ROOT / "benchmarks" / "results"
+               / f"real_target{'_quick' if args.quick else ''}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     if args.tree and not args.output:  # the tree question's table: the variant rows and the tree-trained ones
         tree = result | {"rows": [r for r in result["rows"] if r["row"] in {*ROWS, *TREE_ROWS}]}
-        (out.parent / f"tree_native{'_quick' if args.quick else ''}.json").write_text(json.dumps(tree, indent=2) + "\n")
+        (out.parent / f"tree_native{'_quick' if args.quick else ''}.json").write_text(
+            json.dumps(tree, indent=2) + "\n")
     print(markdown(result))
     print(f"train tokens/s: {result['train_tokens_per_s']}")
     print(f"-> {out}")

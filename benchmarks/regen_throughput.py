@@ -69,10 +69,12 @@ def main():
                            "tokens_per_s": round(n / dt, 1)})
             answers[name] = gens
             print(json.dumps(rounds[-1]), flush=True)
-    rate = {k: sum(x["tokens"] for x in rounds if x["path"] == k) / sum(x["seconds"] for x in rounds if x["path"] == k)
+    rate = {k: sum(x["tokens"] for x in rounds if x["path"] == k)
+            / sum(x["seconds"] for x in rounds if x["path"] == k)
             for k in paths}
     differ = sum(a != b for a, b in zip(answers["generate_b16"], answers["static_engine"]))
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "commit": commit,
               "machine": {"cpu": platform.processor() or platform.machine(), "cores_used": 1,
                           "note": "shared with other jobs; ratios are interleaved rounds"},

@@ -75,7 +75,8 @@ def main() -> None:
     with torch.no_grad():
         out = target.model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
         ctx = ContextCache(drafter.config.num_hidden_layers)
-        drafter.extend_context(ctx, taps_from_hidden_states(out.hidden_states, drafter.config.target_layer_ids),
+        drafter.extend_context(ctx, taps_from_hidden_states(out.hidden_states,
+                                                            drafter.config.target_layer_ids),
                                torch.arange(args.context)[None])
         hidden = draft_hidden(drafter, target, ctx, 5, args.context)[1:]  # [B-1, H], the tree's input
     kept, head = drafter.draft_vocab.kept, drafter.logits_head(target.lm_head)
@@ -124,7 +125,8 @@ def main() -> None:
         "verify_x_one_token": {"now": round(med[f"verify{w}_shared_kv"] / med["verify1_shared_kv"], 3),
                                "before": round(med[f"verify{w}_sdpa"] / med["verify1_sdpa"], 3)},
     }
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "commit": commit,
               "machine": hardware_record(torch.device("cpu")), "target": args.target, "drafter": args.drafter,
               "context": args.context, "rounds": args.rounds, "budget": BUDGET, "summary": summary,

@@ -55,8 +55,10 @@ def main() -> None:
                 raw[name][n].append(ms_per_call(lambda: samplers[name](probs)))
         print(n, {k: round(statistics.median(raw[k][n]), 3) for k in samplers}, flush=True)
     med = {k: {n: round(statistics.median(v[n]), 3) for n in ROWS} for k, v in raw.items()}
-    med["multinomial_over_sample_rows"] = {n: round(med["multinomial"][n] / med["sample_rows"][n], 1) for n in ROWS}
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    med["multinomial_over_sample_rows"] = {n: round(med["multinomial"][n] / med["sample_rows"][n],
+                                                    1) for n in ROWS}
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     out = {"command": "python " + " ".join(sys.argv), "commit": commit,
            "machine": hardware_record(torch.device("cpu")), "vocab": args.vocab, "rounds": args.rounds,
            "ms_per_call": med, "raw_ms": raw}

@@ -48,7 +48,8 @@ def main() -> int:
             for _ in range(n):
                 messages = [m for conv in (convs.pop() for _ in range(12)) for m in conv]
                 f.write(json.dumps({"messages": messages}) + "\n")
-    print(f"wrote {out / 'target'} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters) and data")
+    print(f"wrote {out / 'target'} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B "
+          f"parameters) and data")
     return 0
 
 

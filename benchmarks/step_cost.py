@@ -56,8 +56,9 @@ class Arm:
         self.name, self.cfg = name, cfg
         self.drafter = init_drafter(target, cfg.model)
         self.vocab = attach_draft_vocab(self.drafter, target, train_ds, val_ds)
-        self.opt = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad], lr=cfg.train.lr,
-                                     betas=cfg.train.betas, weight_decay=cfg.train.weight_decay)
+        self.opt = torch.optim.AdamW([p for p in self.drafter.parameters() if p.requires_grad],
+                                     lr=cfg.train.lr, betas=cfg.train.betas,
+                                     weight_decay=cfg.train.weight_decay)
         self.times, self.parts, self.losses, self.val = [], {p: [] for p in PARTS}, [], {}
 
     def step(self, target, cache, batch, anchors, anchor_valid, step: int) -> None:
@@ -83,7 +84,8 @@ class Arm:
 
 
 def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")),
                platform.processor())
     flags = next((line for line in open("/proc/cpuinfo") if line.startswith("flags")), "")
     return {"cpu": cpu, "cores": os.cpu_count(), "threads_used": torch.get_num_threads(),
@@ -112,8 +114,8 @@ def main() -> int:
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "step_cost.json"))
     args = p.parse_args()
     torch.set_num_threads(1)
-    overrides = [f"data.train={args.data}/train", f"data.val={args.data}/val", f"data.hidden_state_cache={args.cache}",
-                 f"eval.max_samples={args.val_samples}"]
+    overrides = [f"data.train={args.data}/train", f"data.val={args.data}/val",
+                 f"data.hidden_state_cache={args.cache}", f"eval.max_samples={args.val_samples}"]
     base = load_recipe(args.recipe, overrides)
     target = load_target(base.model.target, dtype=torch.float32)
     train_ds = load_conversations(base.data.train, target.tokenizer, base.data.max_length)
@@ -121,7 +123,8 @@ def main() -> int:
     val_ds = val_ds.select(range(min(args.val_samples, len(val_ds))))
     train_ds = train_ds.add_column("row", list(range(len(train_ds))))
     cache = open_cache(base.data.hidden_state_cache, target, [1, 27], train_ds)
-    full = load_recipe(args.recipe, overrides + ["model.draft_vocab_size=null"])  # today's step, whatever the recipe
+    # today's step, whatever the recipe
+    full = load_recipe(args.recipe, overrides + ["model.draft_vocab_size=null"])
     arms = [Arm("full", full, target, train_ds, val_ds)]
     for n in [int(x) for x in args.vocab.split(",") if x]:
         arms.append(Arm(f"draft {n}", load_recipe(args.recipe, overrides + [f"model.draft_vocab_size={n}"]),
@@ -139,15 +142,17 @@ def main() -> int:
         for arm in arms[step % len(arms):] + arms[: step % len(arms)]:  # rotated: load lands on all alike
             arm.step(target, cache, batch, anchors, anchor_valid, step)
             if args.val_every and (step % args.val_every == 0 or step == total):
-                arm.val[step] = validate(accelerator, arm.drafter, target, val_ds, partial(collate, pad_id=pad),
-                                         arm.cfg, arm.drafter.config.target_layer_ids,
+                arm.val[step] = validate(accelerator, arm.drafter, target, val_ds,
+                                         partial(collate, pad_id=pad), arm.cfg,
+                                         arm.drafter.config.target_layer_ids,
                                          arm.drafter.config.mask_token_id)
         print(f"step {step}: " + ", ".join(f"{a.name} {a.times[-1]:.2f}s" for a in arms), flush=True)
     results = [summary(a, args.warmup, tokens) for a in arms]
     full = results[0]["s_per_step"]
     for r in results:
         r["speedup_vs_full"] = round(full / r["s_per_step"], 2)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     out = {"command": "python " + " ".join(sys.argv), "commit": commit, "machine": machine(),
            "shapes": {"batch": 4, "anchors": base.data.num_anchors, "block": base.model.block_size,
                       "layers": base.model.num_layers, "max_length": base.data.max_length},

@@ -30,7 +30,8 @@ RECIPE = ROOT / "recipes" / "tiny.yaml"
 # row -> recipe overrides (the tiny recipe's shape, data and loss; only the schedule changes)
 ROWS = {  # about 102k anchored blocks each (batch x steps x anchors), the tiny recipe's budget
     "now": ["train.batch_size=16", "max_steps=200", "train.lr=3e-3", "data.num_anchors=32"],
-    "b4x400-lr6e-4": ["train.batch_size=4", "max_steps=400", "train.lr=6e-4", "data.num_anchors=64"],  # SpecForge's lr
+    # SpecForge's lr
+    "b4x400-lr6e-4": ["train.batch_size=4", "max_steps=400", "train.lr=6e-4", "data.num_anchors=64"],
     "b4x400-lr1.2e-3": ["train.batch_size=4", "max_steps=400", "train.lr=1.2e-3", "data.num_anchors=64"],
     "b8x200-lr1.5e-3": ["train.batch_size=8", "max_steps=200", "train.lr=1.5e-3", "data.num_anchors=64"],
     "b4x800-lr1e-3": ["train.batch_size=4", "max_steps=800", "train.lr=1e-3", "data.num_anchors=32"],
@@ -49,35 +50,38 @@ def one(row: str, seed: int, out: Path, env: dict, train: bool = True) -> dict |
         d.mkdir(parents=True, exist_ok=True)
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         run([sys.executable, "-m", "dflash_train.train", "--recipe", str(RECIPE), f"output_dir={d / 'run'}",
-             f"seed={seed}", "checkpoint_every=0", "eval.every=0", "overwrite=true", "log_every=1000", *ROWS[row]],
+             f"seed={seed}", "checkpoint_every=0", "eval.every=0", "overwrite=true", "log_every=1000",
+             *ROWS[row]],
             d / "train.log", env)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         # CPU seconds of the training process: on a shared machine, steadier than its wall time
         cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
         (d / "train_cpu_s.json").write_text(json.dumps({"train_cpu_s": round(cpu, 1)}) + "\n")
-        run([sys.executable, "-m", "dflash_train.cli.eval", "--drafter", str(d / "run" / "final"), "--budgets",
-             ",".join(map(str, BUDGETS)), "--concurrency", "1", "--output", str(d / "eval"), "--overwrite",
-             "--device", "cpu"], d / "eval.log", env)
+        run([sys.executable, "-m", "dflash_train.cli.eval", "--drafter", str(d / "run" / "final"),
+             "--budgets", ",".join(map(str, BUDGETS)), "--concurrency", "1", "--output", str(d / "eval"),
+             "--overwrite", "--device", "cpu"], d / "eval.log", env)
     summary = json.loads((d / "run" / "summary.json").read_text())
     rep = json.loads(report.read_text())
     by = {(r["method"], r["budget"]): r for r in rep["results"]}
     chain = next(r for r in rep["results"] if r["method"] == "dflash")
-    cpu = json.loads((d / "train_cpu_s.json").read_text())["train_cpu_s"] if (d / "train_cpu_s.json").is_file() else None
-    return {"row": row, "seed": seed, "train_s": summary["wall_s"], "train_cpu_s": cpu, "steps": summary["steps"],
-            "tau_chain": chain["tau"], **{f"tau_ddtree_{b}": by[("ddtree", b)]["tau"] for b in BUDGETS},
+    cpu = (json.loads((d / "train_cpu_s.json").read_text())["train_cpu_s"]
+           if (d / "train_cpu_s.json").is_file() else None)
+    return {"row": row, "seed": seed, "train_s": summary["wall_s"], "train_cpu_s": cpu,
+            "steps": summary["steps"], "tau_chain": chain["tau"],
+            **{f"tau_ddtree_{b}": by[("ddtree", b)]["tau"] for b in BUDGETS},
             "lossless": all(r["lossless"] for r in rep["results"]), "prompts": chain["prompts"]}
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| row | overrides | train wall s (per seed) | train CPU s | tau chain (per seed) | mean | DDTree@64 (per seed) "
-             "| mean | lossless |", "|---|---|---|---|---|---:|---|---:|:-:|"]
+    lines = ["| row | overrides | train wall s (per seed) | train CPU s | tau chain (per seed) | mean | "
+             "DDTree@64 (per seed) | mean | lossless |", "|---|---|---|---|---|---:|---|---:|:-:|"]
     for row in dict.fromkeys(r["row"] for r in results):
         rs = [r for r in results if r["row"] == row]
         fmt = lambda k, p=2: " / ".join(f"{r[k]:.{p}f}" for r in rs)  # noqa: E731
         cpu = " / ".join(f"{r['train_cpu_s']:.0f}" for r in rs if r["train_cpu_s"] is not None) or "-"
-        lines.append(f"| {row} | `{' '.join(ROWS[row])}` | {fmt('train_s', 0)} | {cpu} | {fmt('tau_chain')} | "
-                     f"{statistics.mean(r['tau_chain'] for r in rs):.2f} | {fmt('tau_ddtree_64')} | "
-                     f"{statistics.mean(r['tau_ddtree_64'] for r in rs):.2f} | "
+        lines.append(f"| {row} | `{' '.join(ROWS[row])}` | {fmt('train_s', 0)} | {cpu} | "
+                     f"{fmt('tau_chain')} | {statistics.mean(r['tau_chain'] for r in rs):.2f} | "
+                     f"{fmt('tau_ddtree_64')} | {statistics.mean(r['tau_ddtree_64'] for r in rs):.2f} | "
                      f"{'yes' if all(r['lossless'] for r in rs) else 'NO'} |")
     return "\n".join(lines)
 
@@ -103,9 +107,11 @@ def main():
                   f"{r['tau_ddtree_64']:.3f} (lossless {r['lossless']})", flush=True)
     md = table(results)
     print(md)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     record = {"command": "python " + " ".join(sys.argv), "commit": commit,
-              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(), "threads": 1},
+              "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                          "threads": 1},
               "rows": ROWS, "results": results}
     (out / "schedule.json").write_text(json.dumps(record, indent=2) + "\n")
     Path(args.results).write_text(json.dumps(record, indent=2) + "\n")

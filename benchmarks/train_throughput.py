@@ -149,7 +149,8 @@ def write_speculators_data(target, ds, out: Path, batch_size: int = 16) -> None:
     model = target.model
     captured = {}
     hook = model.model.layers[-1].register_forward_hook(
-        lambda m, args, output: captured.__setitem__("pre_norm", output[0] if isinstance(output, tuple) else output))
+        lambda m, args, output: captured.__setitem__("pre_norm",
+                                                     output[0] if isinstance(output, tuple) else output))
     try:
         for lo in range(0, len(rows), batch_size):
             batch = rows[lo : lo + batch_size]
@@ -164,11 +165,13 @@ def write_speculators_data(target, ds, out: Path, batch_size: int = 16) -> None:
             assert torch.allclose(model.model.norm(pre), o.last_hidden_state, atol=1e-5)
             hs = torch.stack([o.hidden_states[k] for k in SPEC_TAPS] + [pre], dim=2)  # [b, T, 3, H]
             for i, r in enumerate(batch):
-                sample = {"token_ids": ids[i, : len(r)].clone(), "hidden_states": hs[i, : len(r)].float().contiguous()}
+                sample = {"token_ids": ids[i, : len(r)].clone(),
+                          "hidden_states": hs[i, : len(r)].float().contiguous()}
                 check_hidden_states(sample, r)
                 save_file(sample, out / "hidden_states" / f"hs_{lo + i}.safetensors")
             if lo == 0:  # the taps are the ones our cache holds (z-lab id k = HF index k + 1)
-                assert torch.equal(taps_from_hidden_states(o.hidden_states, OUR_TAPS), hs[:, :, :-1].flatten(2))
+                assert torch.equal(taps_from_hidden_states(o.hidden_states, OUR_TAPS),
+                                   hs[:, :, :-1].flatten(2))
     finally:
         hook.remove()
 
@@ -177,15 +180,19 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=25, help="measured optimizer steps per trainer")
     p.add_argument("--warmup", type=int, default=5, help="optimizer steps before the measured window (>= 1)")
-    p.add_argument("--rows", type=int, default=600, help="training conversations (from data/tiny/train.jsonl)")
+    p.add_argument("--rows", type=int, default=600,
+                   help="training conversations (from data/tiny/train.jsonl)")
     p.add_argument("--batch-size", type=int, default=16,
                    help="sequences per step (ours); speculators packs about as many tokens into one row")
-    p.add_argument("--anchors", type=int, default=32, help="anchors per sequence (speculators: x batch size per row)")
+    p.add_argument("--anchors", type=int, default=32,
+                   help="anchors per sequence (speculators: x batch size per row)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads of every run (OMP_NUM_THREADS); on a few shared cores a parallel op "
-                        "waits for a descheduled worker, so 1 thread measures the trainers, not the neighbours")
+                   help="torch intra-op threads of every run (OMP_NUM_THREADS); on a few shared "
+                        "cores a parallel op waits for a descheduled worker, so 1 thread measures the "
+                        "trainers, not the neighbours")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--keep", action="store_true", help="keep the temp dir (logs, data, outputs) and print its path")
+    p.add_argument("--keep", action="store_true",
+                   help="keep the temp dir (logs, data, outputs) and print its path")
     args = p.parse_args()
     if args.warmup < 1 or args.steps < 1:
         raise SystemExit("--warmup and --steps must be >= 1 (the window starts at the end of a step)")
@@ -199,7 +206,8 @@ def main():
         # --- identical tokens for both trainers ----------------------------------------------
         t0 = time.perf_counter()
         target = load_target(str(TARGET))
-        mask_id = target.tokenizer.convert_tokens_to_ids("<|MASK|>")  # ours resolves model.mask_token the same way
+        # ours resolves model.mask_token the same way
+        mask_id = target.tokenizer.convert_tokens_to_ids("<|MASK|>")
         train_jsonl, val_jsonl = tmp / "train.jsonl", tmp / "val.jsonl"
         with open(ROOT / "data" / "tiny" / "train.jsonl") as src:
             train_jsonl.write_text("".join(line for _, line in zip(range(args.rows), src)))
@@ -230,31 +238,33 @@ def main():
         del target
 
         # --- the runs ----------------------------------------------------------------------
-        ours_common = [py, "-m", "dflash_train.train", "--recipe", "recipes/tiny.yaml", f"max_steps={total_steps}",
-                       "checkpoint_every=0", "eval.every=0", "eval.max_samples=16", f"data.train={train_jsonl}",
-                       f"data.num_anchors={args.anchors}", f"model.block_size={BLOCK}",
-                       f"model.num_layers={DRAFT_LAYERS}", f"model.target_layer_ids={OUR_TAPS}",
-                       f"train.batch_size={args.batch_size}", "train.grad_accum=1", f"train.lr={LR}",
-                       "train.weight_decay=0.0", "train.clip_grad=1.0", "train.precision=fp32", "loss.terms={ce: 1.0}",
-                       "loss.position_weight=exp", "loss.ce_labels=target", f"loss.gamma={GAMMA}", f"seed={args.seed}",
-                       "log_every=1000", "overwrite=true"]
+        ours_common = [py, "-m", "dflash_train.train", "--recipe", "recipes/tiny.yaml",
+                       f"max_steps={total_steps}", "checkpoint_every=0", "eval.every=0",
+                       "eval.max_samples=16", f"data.train={train_jsonl}", f"data.num_anchors={args.anchors}",
+                       f"model.block_size={BLOCK}", f"model.num_layers={DRAFT_LAYERS}",
+                       f"model.target_layer_ids={OUR_TAPS}", f"train.batch_size={args.batch_size}",
+                       "train.grad_accum=1", f"train.lr={LR}", "train.weight_decay=0.0",
+                       "train.clip_grad=1.0", "train.precision=fp32", "loss.terms={ce: 1.0}",
+                       "loss.position_weight=exp", "loss.ce_labels=target", f"loss.gamma={GAMMA}",
+                       f"seed={args.seed}", "log_every=1000", "overwrite=true"]
         ours = {"ours, offline (fp32 cache)": (tmp / "ours_offline", [f"data.hidden_state_cache={cache}"]),
                 "ours, online (target in step)": (tmp / "ours_online", [])}
         runs = {name: ours_common + [f"output_dir={out}", *extra] for name, (out, extra) in ours.items()}
-        spec_name, spec_record, runner = "speculators 0.9.0, offline", tmp / "spec_record.json", tmp / "spec_runner.py"
+        spec_name, spec_record, runner = ("speculators 0.9.0, offline", tmp / "spec_record.json",
+                                          tmp / "spec_runner.py")
         runner.write_text(SPEC_RUNNER)
         runs[spec_name] = [
-            py, str(runner), str(spec_record), "--speculator-type", "dflash", "--verifier-name-or-path", str(TARGET),
-            "--data-path", str(spec_data), "--train-data-ratio", repr(train_ratio),
+            py, str(runner), str(spec_record), "--speculator-type", "dflash", "--verifier-name-or-path",
+            str(TARGET), "--data-path", str(spec_data), "--train-data-ratio", repr(train_ratio),
             "--total-seq-len", str(total_seq_len), "--max-anchors", str(args.batch_size * args.anchors),
             "--block-size", str(BLOCK), "--num-layers", str(DRAFT_LAYERS), "--draft-arch", "qwen3",
-            "--target-layer-ids", *map(str, SPEC_TAPS), "--full-attention-indices", *map(str, range(DRAFT_LAYERS)),
-            "--draft-attn-impl", "sdpa", "--mask-token-id", str(mask_id), "--loss-fn", "ce",
-            "--loss-implementation", "eager", "--dflash-decay-gamma", str(GAMMA), "--hidden-states-dtype", "float32",
-            "--num-workers", "0", "--on-missing", "raise", "--optimizer", "adamw", "--lr", str(LR),
-            "--weight-decay", "0.0", "--scheduler-type", "cosine", "--max-steps", str(total_steps), "--epochs", "1",
-            "--log-freq", "1", "--save-path", str(tmp / "spec_out"), "--log-dir", str(tmp / "spec_logs"),
-            "--seed", str(args.seed), "--no-resume-from-checkpoint"]
+            "--target-layer-ids", *map(str, SPEC_TAPS), "--full-attention-indices",
+            *map(str, range(DRAFT_LAYERS)), "--draft-attn-impl", "sdpa", "--mask-token-id", str(mask_id),
+            "--loss-fn", "ce", "--loss-implementation", "eager", "--dflash-decay-gamma", str(GAMMA),
+            "--hidden-states-dtype", "float32", "--num-workers", "0", "--on-missing", "raise", "--optimizer",
+            "adamw", "--lr", str(LR), "--weight-decay", "0.0", "--scheduler-type", "cosine", "--max-steps",
+            str(total_steps), "--epochs", "1", "--log-freq", "1", "--save-path", str(tmp / "spec_out"),
+            "--log-dir", str(tmp / "spec_logs"), "--seed", str(args.seed), "--no-resume-from-checkpoint"]
         baselines = {"(import torch, transformers, ...)": "import torch, transformers, accelerate, datasets",
                      "(import speculators.train.cli)": "import speculators.train.cli"}
 
@@ -275,7 +285,8 @@ def main():
             if name in ours:
                 out = ours[name][0]
                 recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-                tokens = [rec["tokens"] - prev for rec, prev in zip(recs, [0] + [rec["tokens"] for rec in recs])]
+                tokens = [rec["tokens"] - prev for rec, prev in zip(recs, [0]
+                                                                    + [rec["tokens"] for rec in recs])]
                 step_end = [rec["elapsed_s"] for rec in recs]
                 r["params"] = json.loads((out / "summary.json").read_text())["drafter_parameters"]
                 r["optimizer"] = "AdamW"  # training/trainer.py builds torch.optim.AdamW
@@ -288,12 +299,12 @@ def main():
 
         # --- report -------------------------------------------------------------------------
         print(f"\nDFlash training throughput, tiny target (8 layers, hidden 128, vocab 1024), drafter "
-              f"{DRAFT_LAYERS} layers, block {BLOCK}, taps z-lab {OUR_TAPS} = speculators {SPEC_TAPS}; fp32 on CPU "
-              f"({args.threads} torch thread(s) per run, {os.cpu_count()} cores)")
+              f"{DRAFT_LAYERS} layers, block {BLOCK}, taps z-lab {OUR_TAPS} = speculators "
+              f"{SPEC_TAPS}; fp32 on CPU ({args.threads} torch thread(s) per run, {os.cpu_count()} cores)")
         print(f"{len(train_ds)} conversations (mean {mean_len:.1f} tokens); per step: ours {args.batch_size} "
               f"sequences x {args.anchors} anchors, speculators one packed row of {total_seq_len} tokens x "
-              f"{args.batch_size * args.anchors} anchors; {args.warmup} warm-up + {args.steps} measured steps; "
-              f"data prep {prep_s:.0f}s\n")
+              f"{args.batch_size * args.anchors} anchors; {args.warmup} warm-up + "
+              f"{args.steps} measured steps; data prep {prep_s:.0f}s\n")
         head = (f"{'trainer':<34} {'params':>8} {'optimizer':>9} {'tok/step':>8} {'s/step':>7} {'median':>7} "
                 f"{'tokens/s':>8} {'peak RSS MiB':>12} {'wall s':>6}")
         print(head)
@@ -303,18 +314,20 @@ def main():
             if r["error"]:
                 print(f"{name:<34} FAILED, {r['error']}")
                 continue
-            print(f"{name:<34} {r['params']:>8,} {r['optimizer']:>9} {r['tok_step']:>8.0f} {r['s_step']:>7.3f} "
-                  f"{r['s_median']:>7.3f} {r['tps']:>8.0f} {r['rss']:>12.0f} {r['wall']:>6.0f}")
+            print(f"{name:<34} {r['params']:>8,} {r['optimizer']:>9} {r['tok_step']:>8.0f} "
+                  f"{r['s_step']:>7.3f} {r['s_median']:>7.3f} {r['tps']:>8.0f} "
+                  f"{r['rss']:>12.0f} {r['wall']:>6.0f}")
         for name in baselines:
             r = results[name]
-            print(f"{name:<34} {'':>8} {'':>9} {'':>8} {'':>7} {'':>7} {'':>8} {r['rss']:>12.0f} {r['wall']:>6.0f}")
+            print(f"{name:<34} {'':>8} {'':>9} {'':>8} {'':>7} {'':>7} {'':>8} "
+                  f"{r['rss']:>12.0f} {r['wall']:>6.0f}")
         print("s/step: mean over the measured steps (tokens/s = their tokens / their time); median: per-step "
               "median; wall: the whole subprocess")
         if spec_profile:
             median_tps = statistics.median(p["tokens_per_s"] for p in spec_profile)
             mean_ms = {k: statistics.mean(p[k] for p in spec_profile) for k in ["fwd_ms", "bwd_ms", "opt_ms"]}
-            print(f"speculators' own step profile, same steps: median {median_tps:.0f} tokens/s; mean forward "
-                  f"{mean_ms['fwd_ms']:.0f} ms, backward {mean_ms['bwd_ms']:.0f} ms, "
+            print(f"speculators' own step profile, same steps: median {median_tps:.0f} "
+                  f"tokens/s; mean forward {mean_ms['fwd_ms']:.0f} ms, backward {mean_ms['bwd_ms']:.0f} ms, "
                   f"optimizer {mean_ms['opt_ms']:.0f} ms")
         spec = results[spec_name]
         if not spec["error"]:

@@ -161,23 +161,26 @@ def official_rows(logits: torch.Tensor, official, rounds: int) -> dict:
         paired = statistics.median(a / b for a, b in zip(raw["ours"], raw["official"]))
         depth = int(tree.depths.max())
         rows[str(budget)] = {"ours_ms": round(med["ours"], 3), "official_ms": round(med["official"], 3),
-                             "ratio": round(med["ours"] / med["official"], 3), "paired_ratio": round(paired, 3),
-                             "same_tree": same, "tree_depth": depth,
+                             "ratio": round(med["ours"] / med["official"], 3),
+                             "paired_ratio": round(paired, 3), "same_tree": same, "tree_depth": depth,
                              "raw_ms": {k: [round(t, 3) for t in v] for k, v in raw.items()}}
-        print(f"{budget:>6} {med['ours']:>8.2f} {med['official']:>12.2f} {med['ours'] / med['official']:>5.2f}x "
-              f"{paired:>6.2f}x {same}, {depth}", flush=True)
+        print(f"{budget:>6} {med['ours']:>8.2f} {med['official']:>12.2f} "
+              f"{med['ours'] / med['official']:>5.2f}x {paired:>6.2f}x {same}, {depth}", flush=True)
     return rows
 
 
 def write_official(args, rows: dict) -> None:
     """rows: per logits set ("random", "confident"), per budget."""
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     out = {"command": "python " + " ".join(sys.argv), "commit": commit,
            "machine": hardware_record(torch.device("cpu")) | {"numpy": np.__version__,
                                                             "load_average_1m_after": os.getloadavg()[0]},
-           "official": {"file": str(args.official), "sha256": hashlib.sha256(args.official.read_bytes()).hexdigest()},
+           "official": {"file": str(args.official),
+                        "sha256": hashlib.sha256(args.official.read_bytes()).hexdigest()},
            "L": L, "V": V, "rounds": args.rounds,
-           "logits": {"random": "4 * torch.randn(L, V), seed 0, float32 (the issue's and the other sections')",
+           "logits": {"random": "4 * torch.randn(L, V), seed 0, float32 (the issue's and "
+                                "the other sections')",
                       "confident": "random with one token per depth set to 22 (generator seed 1): p ~0.9"},
            "budgets": rows}
     Path(args.output).write_text(json.dumps(out, indent=1) + "\n")
@@ -189,7 +192,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--official", type=Path, default=None, help="liranringel/ddtree's ddtree.py")
     parser.add_argument("--official-only", action="store_true", help="only the comparison with --official")
-    parser.add_argument("--rounds", type=int, default=31, help="alternating rounds against the official build")
+    parser.add_argument("--rounds", type=int, default=31,
+                        help="alternating rounds against the official build")
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "tree_build.json"))
     args = parser.parse_args()
     if args.official_only and args.official is None:
@@ -206,7 +210,8 @@ def main():
     if official is not None:
         rows = {}
         for name, x in [("random", logits), ("confident", confident(logits))]:
-            print(f"\nplain DDTree against the official build_ddtree_tree, {name} logits, {args.rounds} alternating "
+            print(f"\nplain DDTree against the official build_ddtree_tree, {name} logits, "
+                  f"{args.rounds} alternating "
                   "rounds")
             rows[name] = official_rows(x, official, args.rounds)
         write_official(args, rows)
@@ -215,8 +220,9 @@ def main():
     print("\nplain DDTree (per-depth marginals)")
     plain_rows(logits)
 
-    print(f"\npath-conditioned DDTree (MarkovScorer, rank {RANK}, hidden {HIDDEN}, {TREE_CANDIDATES} candidates "
-          f"per depth), paired with the plain build: ms plain / ms conditional (ratio)")
+    print(f"\npath-conditioned DDTree (MarkovScorer, rank {RANK}, hidden {HIDDEN}, "
+          f"{TREE_CANDIDATES} candidates per depth), paired with the plain build: ms plain / ms "
+          f"conditional (ratio)")
     print(f"{'budget':>6} " + " ".join(f"{h:>24}" for h in ("vanilla", "gated", "rnn", "DFlash2 selector")))
     cells = {b: [] for b in CONDITIONAL_BUDGETS}
     with torch.no_grad():
@@ -224,7 +230,8 @@ def main():
             head = random_head(head_type)
             scorer = MarkovScorer(head, hidden, bonus=7)
             for budget in CONDITIONAL_BUDGETS:
-                a, b = paired_ms(lambda: build_tree(logits, budget), lambda: build_tree(logits, budget, scorer))
+                a, b = paired_ms(lambda: build_tree(logits, budget),
+                                 lambda: build_tree(logits, budget, scorer))
                 cells[budget].append(f"{a:6.2f} / {b:6.2f} ({b / a:4.2f}x)")
             if head_type == "vanilla":
                 w2, u = head.markov_w2.weight, torch.randn(RANK)
@@ -237,7 +244,8 @@ def main():
             cells[budget].append(f"{a:6.2f} / {b:6.2f} ({b / a:4.2f}x)")
     for budget in CONDITIONAL_BUDGETS:
         print(f"{budget:>6} " + " ".join(f"{c:>24}" for c in cells[budget]))
-    print(f"\none full-vocabulary [V, r] mat-vec (what the exact tree needs per expanded node): {matvec:.2f} ms")
+    print(f"\none full-vocabulary [V, r] mat-vec (what the exact tree needs per expanded "
+          f"node): {matvec:.2f} ms")
 
 
 if __name__ == "__main__":

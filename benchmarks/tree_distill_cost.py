@@ -37,7 +37,8 @@ def main() -> int:
             s = json.loads((bench.root / "runs" / run / "summary.json").read_text())
             times[name].append(round(s["train_tokens"] / s["train_tokens_per_s"] / s["steps"], 2))
     ratio = round(sum(times["dspark-treedistill"]) / sum(times["dspark"]), 2)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
     result = {"command": "python " + " ".join(sys.argv), "commit": commit, "machine": machine(),
               "steps": args.steps, "tree_distill": extra, "s_per_step": times, "ratio": ratio}
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")

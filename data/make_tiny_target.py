@@ -143,9 +143,10 @@ def main():
     model.generation_config.pad_token_id = tok.pad_token_id
     model.save_pretrained(args.out, safe_serialization=True)
     tok.save_pretrained(args.out)
-    log = {"parameters": n_params, "vocab_size": args.vocab, "train_tokens_seen": args.steps * args.batch * args.seq_len,
-           "corpus_tokens": len(train_ids), "steps": args.steps, "heldout_loss": round(val, 4),
-           "wall_s": round(time.time() - t0, 1), "seed": args.seed}
+    log = {"parameters": n_params, "vocab_size": args.vocab,
+           "train_tokens_seen": args.steps * args.batch * args.seq_len, "corpus_tokens": len(train_ids),
+           "steps": args.steps, "heldout_loss": round(val, 4), "wall_s": round(time.time() - t0, 1),
+           "seed": args.seed}
     (args.out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
     print(json.dumps(log))
 

@@ -2,7 +2,7 @@
 (recipes/tiny.yaml and recipes/tiny-dflash2.yaml differ only in the DFlash2 keys), each drafter
 then decoded by dflash-eval (temperature 0, lossless) on the bundled prompts.
 
-    .venv/bin/python benchmarks/dflash2_table.py                               # the table (200 steps, all prompts)
+    .venv/bin/python benchmarks/dflash2_table.py   # the table (200 steps, all prompts)
     .venv/bin/python benchmarks/dflash2_table.py --steps 10 --limit 2 --max-new-tokens 24   # a quick check
 
 Rows: DFlash (the tiny recipe), DFlash2 with the DDTree built from its unary marginals alone

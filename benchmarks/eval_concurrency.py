@@ -1,7 +1,8 @@
 """Check dflash-eval's concurrency cost model against a directly timed batched verify forward.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/eval_concurrency.py                 # ~4 min on 2 shared cores
-    PYTHONPATH=. python benchmarks/eval_concurrency.py --requests 4,16 --contexts 128,512 --budgets 0,16,64 --json r.json
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/eval_concurrency.py   # ~4 min on 2 shared cores
+    PYTHONPATH=. python benchmarks/eval_concurrency.py --requests 4,16 --contexts 128,512 --budgets 0,16,64 \\
+        --json r.json
 
 At greedy decoding a request's acceptance does not depend on the other requests in its batch,
 so what the prediction must get right is the cost side. dflash-eval predicts the verify forward

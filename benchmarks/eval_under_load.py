@@ -1,6 +1,7 @@
 """Do dflash-eval's speedups survive a machine that gets busy halfway through?
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/eval_under_load.py --drafter runs/demo/final   # ~6 min, 2 cores
+    # ~6 min, 2 cores
+    PYTHONPATH=. OMP_NUM_THREADS=1 python benchmarks/eval_under_load.py --drafter runs/demo/final
 
 Three sweeps over the same prompts, through dflash-eval's own functions (`sweep_order`,
 `run_sweep`, `summarize`):

@@ -1,4 +1,5 @@
-"""Time the pieces of a decoding round at Qwen3-8B's shape on one GPU: the cost model for picking a tree budget.
+"""Time the pieces of a decoding round at Qwen3-8B's shape on one GPU: the cost model for picking a tree
+budget.
 
     python benchmarks/gpu_costs.py --out benchmarks/gpu_costs.json
     python benchmarks/gpu_costs.py --tiny --device cpu --dtype float32   # smoke test, seconds

@@ -2,7 +2,7 @@
 data, seed, drafter shape and steps, each then decoded by dflash-eval (lossless, temperature 0)
 on the bundled prompts.
 
-    .venv/bin/python benchmarks/objectives.py                         # the full table (the tiny recipe's steps, all prompts)
+    .venv/bin/python benchmarks/objectives.py   # the full table (the tiny recipe's steps, all prompts)
     .venv/bin/python benchmarks/objectives.py --steps 20 --limit 4    # a quick check that every row runs
     .venv/bin/python benchmarks/objectives.py --rows kl tv --set data.num_anchors=64
 

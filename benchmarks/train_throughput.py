@@ -76,7 +76,8 @@ SPEC_RUNNER = textwrap.dedent('''
     from speculators.train.cli import main
     from speculators.train.config import TrainConfig
 
-    trainer_mod.get_local_rank = lambda: "cpu"  # Trainer moves the model and batches to local_rank (0 = cuda:0)
+    # Trainer moves the model and batches to local_rank (0 = cuda:0)
+    trainer_mod.get_local_rank = lambda: "cpu"
     trainer_mod.Trainer.val_epoch = lambda self, epoch: None  # after the measured steps; not timed
     record = {"tokens": [], "step_end": [], "profile": []}
 

@@ -10,26 +10,26 @@ its three parts timed one by one:
         the depths its search reads (4-6 of 15 here), so its total can be below this part
   heap: the best-first pops over numpy rows (Python)
   vis:  the [n+1, n+1] ancestor-or-self mask (numpy, one step per depth)
-Path-conditioned (`dspark.MarkovScorer`, Qwen3-8B's shape: Markov rank 256, hidden 4096, random
-weights giving a bias of about one logit): the whole `build_tree(logits, budget, scorer)` for
-the vanilla, gated and rnn heads with the default 256 candidates per depth, timed in turn with
-the plain build (run i of each back to back, so both see the same machine load), and the ratio
-of the two medians; the same for DFlash2's selector tree (`dflash2.SelectorScorer`: rank 256,
-top-16 candidates per slot, one [L, K, K] table of edge scores per block). For scale: the exact conditional tree needs a full-vocabulary [V, r]
-mat-vec per expanded node (about `budget` of them); one is timed at the end.
+Path-conditioned (`dspark.MarkovScorer`, Qwen3-8B's shape: Markov rank 256, hidden 4096, random weights giving
+a bias of about one logit): the whole `build_tree(logits, budget, scorer)` for the vanilla, gated and rnn
+heads with the default 256 candidates per depth, timed in turn with the plain build (run i of each back to
+back, so both see the same machine load), and the ratio of the two medians; the same for DFlash2's selector
+tree (`dflash2.SelectorScorer`: rank 256, top-16 candidates per slot, one [L, K, K] table of edge scores per
+block). For scale: the exact conditional tree needs a full-vocabulary [V, r] mat-vec per expanded node (about
+`budget` of them); one is timed at the end.
 --threads sets torch's intra-op threads: on a few busy cores a parallel op such as the
 mask's zero fill can wait a whole scheduler slice (~4 ms) for a descheduled worker.
 
 --official PATH adds the plain build against the official construction, `build_ddtree_tree` in
-liranringel/ddtree's ddtree.py (git clone https://github.com/liranringel/ddtree; c96427a
-measured): at budgets 64, 256 and 1024 the two run alternately (who goes first swaps each
-round) for --rounds rounds on the same logits; medians, their ratio (ours / official), the median
-of the per-round ratios, whether the trees are the same (tokens, depths, parents, mask, child
-maps) and the tree's depth. Twice: on the random logits above (trees of depth 3-4) and on the
-same with one token per depth at p ~0.9 (a confident drafter: trees of depth 15). The function is read out of the file with `ast` (the module itself imports transformers,
-loguru and the repository's model package) and run with a CPU stand-in for its stage timer
-(`cuda_time` synchronises CUDA); nothing of it is copied here. Writes --output
-(benchmarks/results/tree_build.json). --official-only skips the other sections.
+liranringel/ddtree's ddtree.py (git clone https://github.com/liranringel/ddtree; c96427a measured): at budgets
+64, 256 and 1024 the two run alternately (who goes first swaps each round) for --rounds rounds on the same
+logits; medians, their ratio (ours / official), the median of the per-round ratios, whether the trees are the
+same (tokens, depths, parents, mask, child maps) and the tree's depth. Twice: on the random logits above
+(trees of depth 3-4) and on the same with one token per depth at p ~0.9 (a confident drafter: trees of depth
+15). The function is read out of the file with `ast` (the module itself imports transformers, loguru and the
+repository's model package) and run with a CPU stand-in for its stage timer (`cuda_time` synchronises CUDA);
+nothing of it is copied here. Writes --output (benchmarks/results/tree_build.json). --official-only skips the
+other sections.
 """
 
 import argparse

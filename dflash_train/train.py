@@ -1,5 +1,6 @@
 """The public training script: `accelerate launch dflash_train/train.py ...`, `torchrun dflash_train/train.py
-...` and `python -m dflash_train.train ...` all run `dflash-train` (cli/train.py; the trainer: training/trainer.py)."""
+...` and `python -m dflash_train.train ...` all run `dflash-train` (cli/train.py; the trainer:
+training/trainer.py)."""
 
 import os
 import sys

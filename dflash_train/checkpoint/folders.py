@@ -3,7 +3,8 @@ resume. Building a drafter for a target: training/build.py.
 
 A drafter folder holds:
     model.safetensors  the trainable weights only, Speculators names (fc, hidden_norm, layers.N.*, norm)
-    config.json        {"format": "dflash-train", "drafter": DrafterConfig, "target": {name_or_path, revision}}
+    config.json        {"format": "dflash-train", "drafter": DrafterConfig,
+                        "target": {name_or_path, revision}}
     recipe.yaml        the recipe that trained it (when it came from training)
 Folders are written to a temporary sibling and renamed, so a reader never sees half a drafter.
 """

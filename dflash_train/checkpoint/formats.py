@@ -70,7 +70,8 @@ def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
 
 
 class DrafterFields(Strict):
-    """Ours: config.json's `drafter`, DrafterConfig field for field (model/drafter.py says what each means)."""
+    """Ours: config.json's `drafter`, DrafterConfig field for field (model/drafter.py says what each
+    means)."""
     hidden_size: Size
     intermediate_size: Size
     num_hidden_layers: Size
@@ -123,7 +124,8 @@ class OursFile(Open):
 
 
 class LayerFields(Open):
-    """The Qwen3 fields of the drafter's layers (speculators' transformer_layer_config, native's top level)."""
+    """The Qwen3 fields of the drafter's layers (speculators' transformer_layer_config, native's top
+    level)."""
     hidden_size: Size
     intermediate_size: Size
     num_hidden_layers: Size

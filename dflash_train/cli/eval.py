@@ -1,4 +1,4 @@
-"""`dflash-eval`: acceptance and speed of a drafter under AR, the DFlash chain and DDTree at a sweep of budgets.
+"""`dflash-eval`: a drafter's acceptance and speed under AR, the DFlash chain and DDTree over budgets.
 
     dflash-eval --drafter runs/demo/final --budgets 4,16,64,256 --output runs/demo/eval
     dflash-eval --drafter D --target T --suite gsm8k --suite mt-bench --temperature 1.0 --repeats 3 --output R

@@ -4,7 +4,8 @@
         --output data/prepared/tiny --val-size 200 --shuffle --seed 0 --min-supervised-tokens 8
     dflash-prepare --input HuggingFaceH4/ultrachat_200k --split train_sft --format ultrachat \
         --target Qwen/Qwen3-8B --output data/ultrachat-qwen3 --val-fraction 0.01 --shuffle
-    dflash-prepare ... --regenerate --temperature 0 --max-new-tokens 2048    # answers by the target (regenerate.py)
+    # answers by the target (regenerate.py)
+    dflash-prepare ... --regenerate --temperature 0 --max-new-tokens 2048
     dflash-train data.train=data/prepared/tiny/train data.val=data/prepared/tiny/val
 
 The pipeline (steps, output, prepare_info.json): data/prepare.py; formats and the loss mask: data/chat.py.

@@ -7,8 +7,8 @@ Why: `model.generate` on a batch runs until its longest answer ends, so every ro
 keeps costing a forward per step, and its dynamic cache re-allocates as it grows. Here a fixed number of
 slots share one static KV cache [layers, slots, kv_heads, max_len, head_dim]; each step decodes one token
 for every busy slot at its own position, and a slot whose answer ended takes the next prompt at once
-(prefilled alone, causal). The arithmetic is the HF Llama forward's (RMSNorm, RoPE, GQA, SwiGLU, Qwen3's q/k norms,
-tied or untied head) on the model's own weights, in the model's dtype.
+(prefilled alone, causal). The arithmetic is the HF Llama forward's (RMSNorm, RoPE, GQA, SwiGLU, Qwen3's q/k
+norms, tied or untied head) on the model's own weights, in the model's dtype.
 
 Sampling: greedy at temperature 0; else temperature + top-p with one torch.Generator per prompt, seeded
 from (seed, prompt index), so an answer does not depend on which slot or batch it ran in.

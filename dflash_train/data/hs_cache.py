@@ -301,7 +301,8 @@ class HiddenStateCache:
         return pad(taps).to(device, dtype), pad(last).to(device, dtype)
 
     def labels(self, rows: list[int], T: int, device) -> torch.Tensor | None:
-        """-> the target's greedy labels [b, T] long (-1 past each row's end), None in a cache without them."""
+        """-> the target's greedy labels [b, T] long (-1 past each row's end), None in a cache without
+        them."""
         if not self.manifest.get("labels"):
             return None
         out = torch.full((len(rows), T), -1, dtype=torch.long)

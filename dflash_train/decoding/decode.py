@@ -142,7 +142,8 @@ def decode(target: Target, drafter: DFlashDrafter | None, prompt_ids: torch.Tens
            stop_ids: set[int] = frozenset(), generator: torch.Generator | None = None,
            tree_scores: str = "conditional") -> DecodeResult:
     """Generate up to max_new_tokens after prompt_ids [1, P] (stopping after a stop token).
-    tree_scores: how a DSpark or DFlash2 drafter's DDTree is scored (TREE_SCORES); DFlash has marginals only."""
+    tree_scores: how a DSpark or DFlash2 drafter's DDTree is scored (TREE_SCORES); DFlash has marginals
+    only."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if tree_scores not in TREE_SCORES:

@@ -5,7 +5,8 @@ speedup predicted when several requests share one verify forward.
 
     costs = measure_costs(target, drafter, context=200, batches=[1, 4, 16], contexts=[800, 3200])
     costs["verify_ms"][r][i]            # round r, width costs["widths"][i], after `context` tokens
-    costs["context_verify_ms"][r][k][j]  # round r, after costs["contexts"][k], width costs["context_widths"][j]
+    costs["context_verify_ms"][r][k][j]  # round r, after costs["contexts"][k], width
+                                         # costs["context_widths"][j]
 
 The context axis is what N requests add beyond width: each reads (and DynamicCache copies) its
 own KV cache per verify forward, so N requests after P tokens are measured as one request after

@@ -143,7 +143,8 @@ class Curves:
     N requests of width w after P tokens each cost one request's forward of width W = N w after
     T = N P tokens (the KV of N contexts is read and copied per forward), less the attention
     pairs a single wide request would compute that N separate ones do not: the single one
-    attends W (T + W) pairs (W (P + W) as read off the width curve), the N requests N w (P + w). The single request's cost is the width
+    attends W (T + W) pairs (W (P + W) as read off the width curve), the N requests N w (P + w). The single
+    request's cost is the width
     curve plus the measured extra cost of a longer context, which is linear in width
     (per context token: a fixed part and a per-query part), so a few widths per context suffice;
     the per-pair cost is that per-query part, fitted from the same points."""

@@ -113,7 +113,8 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
                       before: torch.Tensor | None = None) -> torch.Tensor:
     """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
     distributions, walked along the target's tokens (labels) while they are in the tree.
-    With `conditional` (block hidden [B, H], bonus, before: the token before it) -> scorer (dspark.MarkovScorer over DSpark's
+    With `conditional` (block hidden [B, H], bonus, before: the token before it) -> scorer
+    (dspark.MarkovScorer over DSpark's
     head, dflash2.SelectorScorer over DFlash2's selector), draft_logits are the backbone's and the
     tree is path-conditioned, on hidden [.., B, H] and the bonus tokens [..].
     Returns summable counts [len(budgets) + 1 + 4]: accepted tokens per budget, blocks, then

@@ -109,8 +109,8 @@ def tree_distillation_loss(model, target, ids: torch.Tensor, block_hidden: torch
     ids [T] (the sequence, no padding); block_hidden [n, B, H] (those blocks' final states; read
     detached); anchors: their positions in ids (slot 0 = the token there); conditional: (hidden [B, H],
     bonus) -> the tree's scorer (validate.cpu_tree_scorer), None for DFlash's marginal tree.
-    -> (mean KL over the nodes, with grad in the conditional head; {"nodes": m, "agree": how many nodes' argmax q is the
-    target's argmax}).
+    -> (mean KL over the nodes, with grad in the conditional head; {"nodes": m, "agree": how many nodes'
+    argmax q is the target's argmax}).
 
     The trees are built from detached scores: which branches are offered is the decoder's choice,
     not something to differentiate through."""

@@ -1,4 +1,5 @@
-"""core/outputs.py: what an --output may replace, how it is replaced; core/paths.py: where inputs are found."""
+"""core/outputs.py: what an --output may replace, how it is replaced; core/paths.py: where inputs are
+found."""
 
 import os
 import signal

@@ -12,8 +12,8 @@ from dflash_train.decoding.ddtree import DraftTree, build_tree, top_k_log_probs
 
 def reference_order(logp64: torch.Tensor, tokens_of: list[list[int]]) -> list[tuple]:
     """All prefixes over ranks 0..R-1 as token paths, best first. logp64 [L, R] float64 per
-    depth and rank; tokens_of[d][r] is the token of rank r at depth d + 1. Scores are rounded so that mathematically equal sums tie
-    (float64 rounding must not break a tie the tree breaks by rank path)."""
+    depth and rank; tokens_of[d][r] is the token of rank r at depth d + 1. Scores are rounded so that
+    mathematically equal sums tie (float64 rounding must not break a tie the tree breaks by rank path)."""
     L, R = logp64.shape
     logp = logp64.tolist()
     scored = []

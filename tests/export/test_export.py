@@ -379,7 +379,8 @@ def test_vllm_derives_the_trained_model(fmt, attention, trained_drafter_dir, cau
 
 
 def test_native_config_without_causality_keys_reads_as_bidirectional(exports, tmp_path):
-    """z-lab's published configs carry neither is_causal nor dflash_config.causal: full layers are non-causal."""
+    """z-lab's published configs carry neither is_causal nor dflash_config.causal: full layers are
+    non-causal."""
     shutil.copytree(exports / "dflash", tmp_path / "z")
     cfg = json.loads((tmp_path / "z" / "config.json").read_text())
     del cfg["is_causal"], cfg["dflash_config"]["causal"]

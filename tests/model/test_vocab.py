@@ -14,7 +14,8 @@ speculators_vocab = pytest.importorskip("speculators.train.vocab_mapping")
 
 @pytest.mark.parametrize("seen, size", [(300, 64), (40, 64), (64, 64)])
 def test_d2t_and_t2d_equal_speculators_own_builder(seen, size):
-    """Top-N by count with ties by id, padded with ids 0.. when fewer are seen: speculators' tensors exactly."""
+    """Top-N by count with ties by id, padded with ids 0.. when fewer are seen: speculators' tensors
+    exactly."""
     rng = random.Random(seen)
     counts = Counter({rng.randrange(1000): rng.randrange(1, 6) for _ in range(seen)})  # many ties
     d2t, t2d = speculators_vocab.build_vocab_mappings_from_distribution(dict(counts), size, 1000)

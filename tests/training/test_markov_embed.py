@@ -1,4 +1,5 @@
-"""model.markov_w1_embed (dflash_train/training/markov_embed.py): DSpark's W1 trained as table + Ê P with P folded
+"""model.markov_w1_embed (dflash_train/training/markov_embed.py): DSpark's W1 trained as table + Ê P with P
+folded
 into the table each step. Folding is exact: the table follows the unfolded parametrisation's W1 step for
 step (an independent reference: T + Ê P as two ordinary parameters under AdamW); a token never seen as a
 predecessor gets a trained row (a plain table leaves it at its initial value); a run with it resumes

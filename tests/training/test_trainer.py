@@ -115,7 +115,8 @@ def finished_run(small_data, tmp_path_factory):
 
 def test_overwrite_checks_every_input_before_touching_the_old_run(finished_run, small_data, tmp_path, capsys):
     """overwrite=true replaces only a run of ours, and only once the new run is loaded and checked:
-    a bad target (missing, or with weights that do not fill its config) or missing data leaves it as it was."""
+    a bad target (missing, or with weights that do not fill its config) or missing data leaves it as it
+    was."""
     before = snapshot(finished_run)
     bad_target = broken_target(tmp_path / "target", "missing")
     for extra, message in [(["model.target=/nope"], "model.target not found: '/nope'"),

@@ -1,7 +1,8 @@
-"""Tree distillation (dflash_train/training/tree_distill.py): the distribution it trains at each node is the one
-the decoder's tree scores that node's children with (every variant, every DSpark head); its gradients
-reach the conditional head and nothing else (not the frozen target, not the backbone); a few steps on it move the drafter toward the target at the
-nodes; training runs with it and reports it; an older run (no tree_distill section) still resumes."""
+"""Tree distillation (dflash_train/training/tree_distill.py): the distribution it trains at each node is the
+one the decoder's tree scores that node's children with (every variant, every DSpark head); its gradients
+reach the conditional head and nothing else (not the frozen target, not the backbone); a few steps on it move
+the drafter toward the target at the nodes; training runs with it and reports it; an older run (no
+tree_distill section) still resumes."""
 
 import json
 import math
@@ -148,7 +149,8 @@ def test_a_few_steps_move_the_drafter_toward_the_target_at_the_nodes(tiny_target
 
 
 def test_training_with_tree_distillation_reports_it_and_names_its_budget(tmp_path, small_data):
-    """Train (tree-distilled, chosen for budget 8), then the card and dflash-eval say what it was trained for."""
+    """Train (tree-distilled, chosen for budget 8), then the card and dflash-eval say what it was trained
+    for."""
     from dflash_train.core.errors import UserError
     from dflash_train.cli.eval import main as eval_main
     from dflash_train.cli.export import main as export_main

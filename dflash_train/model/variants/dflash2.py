@@ -275,7 +275,8 @@ class SelectorScorer:
     @torch.no_grad()
     def expander(self, draft_logits: torch.Tensor, K: int):
         """draft_logits [L, V] (the unary logits) -> (expand, root token, root carry) for
-        `ddtree.best_first`; expand(token, carry, depth) -> (logp [K'], ids [K'], None), K' = min(K, top_k)."""
+        `ddtree.best_first`; expand(token, carry, depth) -> (logp [K'], ids [K'], None), K' = min(K,
+        top_k)."""
         candidates, edges = edge_scores(self.selector, self.hidden, draft_logits, self.bonus)
         logits = draft_logits.float()
         log_mass = torch.logsumexp(logits.gather(-1, candidates), -1) - torch.logsumexp(logits, -1)  # [L]

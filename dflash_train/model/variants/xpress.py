@@ -168,7 +168,8 @@ class XPressScorer:
 
     @torch.no_grad()
     def expander(self, draft_logits: torch.Tensor, K: int):
-        """draft_logits [L, V] (depth d = row d-1) -> (expand, root token, root carry) for ddtree.best_first."""
+        """draft_logits [L, V] (depth d = row d-1) -> (expand, root token, root carry) for
+        ddtree.best_first."""
         head, V = self.head, draft_logits.shape[-1]
         M, K = min(self.candidates, V), min(K, self.candidates, V)
         # token_embed rows of a depth's candidates, looked up by target id (W1's role in _Candidates)
@@ -219,7 +220,8 @@ class _RefineStep:
         return (self.slot_part[0] + self.w_e @ e)[None]
 
     def __call__(self, e: np.ndarray, carry: np.ndarray, slot: int):
-        """y of `slot` after a token with embedding e [r], given carry a_0..a_{slot-1} -> (y [r], carry + a)."""
+        """y of `slot` after a token with embedding e [r], given carry a_0..a_{slot-1} -> (y [r], carry +
+        a)."""
         a = self.slot_part[slot] + self.w_e @ e
         path = np.concatenate([carry, a[None]])  # [slot+1, r]
         c = a + (self.mix[:, slot, : slot + 1] * path.T).sum(-1)

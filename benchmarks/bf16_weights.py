@@ -70,7 +70,7 @@ def costs(targets: dict, drafter, context: int, rounds: int) -> dict:
 
 def departure(targets: dict, limit: int, max_new_tokens: int) -> dict:
     args = argparse.Namespace(temperature=0.0, tree_scores="conditional")
-    t32, t16 = targets["fp32"], targets["bf16-weights"]
+    t32 = targets["fp32"]
     stops = stop_token_ids(t32.model, t32.tokenizer)
     out = {}
     for spec in SUITES:

@@ -321,7 +321,8 @@ def main(argv=None):
                     reset=lambda: long.crop(-width))
             print(f"verify after {total} tokens (ms): "
                   + ", ".join(f"{w}: {ms:.3f}" for w, ms in verify_by_context[str(total)].items()))
-            del long, ids
+            # dropped by rebinding, not `del`: the timed lambdas above read `long` (pyflakes: F821)
+            long = ids = None
 
         draft_ms = median_ms(lambda: draft_block(drafter, target, ctx, bonus, start), args.repeats, device)
         print(f"\ndraft: one proposers.draft_block, block {L + 1}, {len(ctx)} context tokens: "
@@ -334,7 +335,7 @@ def main(argv=None):
             bonus_c = torch.full((c,), bonus, device=device)
             draft_by_batch[str(c)] = median_ms(lambda: draft_batch(drafter, target, ctx_c, bonus_c, start),
                                                args.repeats, device)
-            del ctx_c
+            ctx_c = None  # not `del`, as for `long` above
         print("draft by batch (ms): " + ", ".join(f"{c}: {ms:.3f}" for c, ms in draft_by_batch.items()))
         del taps
 
@@ -346,7 +347,7 @@ def main(argv=None):
             print(f"{budget:>6} {tree_ms[str(budget)]:>9.3f}")
         scored_ms, walk_ms = scorer_costs(drafter, target, ctx, bonus, start, draft_logits, args.budgets,
                                           args.repeats, device)
-        del cache, ctx, draft_logits
+        cache = ctx = draft_logits = None  # not `del`, as for `long` above
 
         print(f"\nstep: one round of decode.decode ({STEP_ROUNDS} rounds per call after a "
               f"{args.context}-token prefill; ms per round, median of {args.repeats} calls; tau near 1 "

@@ -46,12 +46,13 @@ class LlamaWeights:
         self.norm = m.norm.weight
         self.head = model.lm_head.weight  # [V, H] (the embedding itself when tied)
         # Qwen3 normalises each head's q and k before RoPE; Llama does not (None)
-        self.qk_norms = [(l.self_attn.q_norm.weight, l.self_attn.k_norm.weight) if cfg.model_type == "qwen3"
-                         else (None, None) for l in m.layers]
-        self.layers = [(l.input_layernorm.weight, l.self_attn.q_proj.weight, l.self_attn.k_proj.weight,
-                        l.self_attn.v_proj.weight, l.self_attn.o_proj.weight,
-                        l.post_attention_layernorm.weight, l.mlp.gate_proj.weight, l.mlp.up_proj.weight,
-                        l.mlp.down_proj.weight) for l in m.layers]
+        self.qk_norms = [(layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight)
+                         if cfg.model_type == "qwen3" else (None, None) for layer in m.layers]
+        self.layers = [(layer.input_layernorm.weight, layer.self_attn.q_proj.weight,
+                        layer.self_attn.k_proj.weight, layer.self_attn.v_proj.weight,
+                        layer.self_attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                        layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight, layer.mlp.down_proj.weight)
+                       for layer in m.layers]
         self.dtype = self.embed.dtype
 
 

@@ -88,7 +88,7 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     dll, why = kernel()
     if dll is None:
         raise RuntimeError(f"the streaming linear cannot run here: {why}")
-    O, I = weight.shape
+    O, I = weight.shape  # noqa: E741 (the docstring's and the C kernel's shape letters)
     x2 = x.reshape(-1, I).contiguous()
     w = weight.contiguous()
     y = torch.empty(x2.shape[0], O, dtype=torch.float32)

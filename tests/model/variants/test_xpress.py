@@ -74,7 +74,7 @@ def speculators_forward(spec, target, ids, anchors, monkeypatch, capture=True, *
     import speculators.models.xpress.core as xpress_core
     from dflash_train.model.target import target_forward
 
-    A, T = anchors.shape[0], ids.shape[1]
+    A = anchors.shape[0]
     monkeypatch.setattr(dflash_core, "select_anchors",
                         lambda loss_mask, n, bs: (anchors, torch.ones(n, dtype=torch.bool)))
     seen = {}

@@ -1,4 +1,4 @@
-"""Training data -> token ids with an assistant-only loss mask -> padded batches -> anchors.
+"""Training data -> token ids with an assistant-only loss mask -> padded batches.
 
 The loss mask comes from `chat.encode_conversations` (the same code as dflash-prepare): the
 conversation is rendered once with the target's chat template, each assistant reply is located
@@ -18,7 +18,6 @@ from datasets.utils import are_progress_bars_disabled, disable_progress_bars, en
 from transformers import PreTrainedTokenizerBase
 
 from dflash_train.core.errors import UserError
-from dflash_train.core.seeds import derived_generator
 from dflash_train.data import chat
 
 
@@ -161,42 +160,3 @@ def collate(rows: list[dict], pad_id: int) -> Batch:
         attn[i, :n] = 1
         loss[i, :n] = torch.tensor(r["loss_mask"], dtype=torch.bool)
     return Batch(ids, attn, loss, [r["row"] for r in rows] if "row" in rows[0] else None)
-
-
-def anchor_keys(rows: list[int], lengths: list[int], T: int, seed: int, step: int) -> torch.Tensor:
-    """Uniform random keys [b, T] for anchor sampling, a row's keys drawn from its own generator
-    seeded by (seed, step, dataset row): a sequence gets the same anchors whichever process or
-    micro-batch it lands in, so runs with other process counts or padding see the same blocks."""
-    keys = torch.full((len(rows), T), -1.0)
-    for i, (row, n) in enumerate(zip(rows, lengths)):
-        g = derived_generator((seed * 1_000_003 + step) * 10_000_019 + row)
-        keys[i, :n] = torch.rand(n, generator=g)
-    return keys
-
-
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
-                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random anchors among assistant tokens: a is a candidate when token a+1 is supervised
-    (block slot 1 predicts it). keys [b, T] uniform in [0, 1) (see anchor_keys); the A
-    candidates with the largest keys are a uniform sample without replacement.
-    Returns anchors [b, A] (sorted, 0 where unused) and valid [b, A]."""
-    b, T = loss_mask.shape
-    cand = torch.zeros_like(loss_mask)
-    cand[:, :-1] = loss_mask[:, 1:]
-    keys = torch.where(cand, keys.to(loss_mask.device), torch.full_like(keys, -1.0, device=loss_mask.device))
-    A = min(num_anchors, T)
-    top, idx = keys.topk(A, dim=1)
-    valid = top >= 0
-    anchors = torch.where(valid, idx, torch.zeros_like(idx))
-    order = torch.argsort(torch.where(valid, anchors, torch.full_like(anchors, T)), dim=1)
-    return anchors.gather(1, order), valid.gather(1, order)
-
-
-def block_labels_index(anchors: torch.Tensor, block_size: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For block slots k = 1..B-1: the predicted token's position a+k [b, A, B-1] and
-    whether it is inside the sequence. The target's distribution for it sits at a+k-1."""
-    k = torch.arange(1, block_size, device=anchors.device)
-    pos = anchors[:, :, None] + k  # [b, A, B-1]
-    inside = pos < T
-    return pos.clamp(max=T - 1), inside
-

@@ -1,4 +1,5 @@
-"""The anchored-block pass shared by training and validation, and teacher-forced DDTree acceptance.
+"""Anchor sampling, the anchored-block pass shared by training and validation, teacher-forced DDTree
+acceptance.
 
 For a batch [b, T]: anchors [b, A] (block j = [token at anchor j, MASK x (B-1)]), the target's
 taps (online forward or offline cache), one drafter pass over all A*B block tokens, and for
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import extract_model_from_parallel
 
-from dflash_train.data.dataset import Batch, anchor_keys, block_labels_index, sample_anchors
+from dflash_train.core.seeds import derived_generator
+from dflash_train.data.dataset import Batch
 from dflash_train.data.hs_cache import HiddenStateCache
 from dflash_train.decoding.ddtree import build_tree, spine_counts
 from dflash_train.model.target import Target, target_forward
@@ -53,8 +55,46 @@ def target_labels(o: BlockOutputs, target: Target, rows: int = 1024) -> torch.Te
     return out.view(o.target_hidden.shape[:-1])
 
 
+def anchor_keys(rows: list[int], lengths: list[int], T: int, seed: int, step: int) -> torch.Tensor:
+    """Uniform random keys [b, T] for anchor sampling, a row's keys drawn from its own generator
+    seeded by (seed, step, dataset row): a sequence gets the same anchors whichever process or
+    micro-batch it lands in, so runs with other process counts or padding see the same blocks."""
+    keys = torch.full((len(rows), T), -1.0)
+    for i, (row, n) in enumerate(zip(rows, lengths)):
+        g = derived_generator((seed * 1_000_003 + step) * 10_000_019 + row)
+        keys[i, :n] = torch.rand(n, generator=g)
+    return keys
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int,
+                   keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random anchors among assistant tokens: a is a candidate when token a+1 is supervised
+    (block slot 1 predicts it). keys [b, T] uniform in [0, 1) (see anchor_keys); the A
+    candidates with the largest keys are a uniform sample without replacement.
+    Returns anchors [b, A] (sorted, 0 where unused) and valid [b, A]."""
+    b, T = loss_mask.shape
+    cand = torch.zeros_like(loss_mask)
+    cand[:, :-1] = loss_mask[:, 1:]
+    keys = torch.where(cand, keys.to(loss_mask.device), torch.full_like(keys, -1.0, device=loss_mask.device))
+    A = min(num_anchors, T)
+    top, idx = keys.topk(A, dim=1)
+    valid = top >= 0
+    anchors = torch.where(valid, idx, torch.zeros_like(idx))
+    order = torch.argsort(torch.where(valid, anchors, torch.full_like(anchors, T)), dim=1)
+    return anchors.gather(1, order), valid.gather(1, order)
+
+
+def block_labels_index(anchors: torch.Tensor, block_size: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For block slots k = 1..B-1: the predicted token's position a+k [b, A, B-1] and
+    whether it is inside the sequence. The target's distribution for it sits at a+k-1."""
+    k = torch.arange(1, block_size, device=anchors.device)
+    pos = anchors[:, :, None] + k  # [b, A, B-1]
+    inside = pos < T
+    return pos.clamp(max=T - 1), inside
+
+
 def draw_anchors(batch: Batch, num_anchors: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Anchors [b, A] and their validity, drawn per dataset row (see dataset.anchor_keys)."""
+    """Anchors [b, A] and their validity, drawn per dataset row (see anchor_keys)."""
     lengths = batch.attention_mask.sum(1).tolist()
     keys = anchor_keys(batch.rows, lengths, batch.input_ids.shape[1], seed, step)
     return sample_anchors(batch.loss_mask, num_anchors, keys)

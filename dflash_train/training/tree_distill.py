@@ -9,7 +9,7 @@ Recipe section `tree_distill` (weight 0: off). Every `every` optimizer steps, fo
 blocks of one sequence of the step's first micro-batch, the drafter's own tree of `budget` nodes is
 built from its current scores (detached; the same scorer validation and decoding use), the frozen
 target is run once over the sequence and the packed trees with the ancestor-only mask
-(tree_labels.tree_target_logits), and at the root and every node above the last depth the
+(tree_target_logits), and at the root and every node above the last depth the
 drafter's distribution for the next slot given that node's path is pulled toward the target's:
 
     loss_tree = mean over nodes n of KL(p_target(. | path n) || q_drafter(. | path n))
@@ -30,6 +30,16 @@ gradient there would pull the spine's marginal toward the average of the target'
 after each sibling; the base loss keeps the backbone on the spine. So a DFlash drafter (no
 conditional head) has nothing to distil (the recipe check refuses it). The target runs under no_grad.
 
+The target's labels come from one forward: each anchor's tree is packed behind the sequence, every
+node sees the sequence up to its anchor and its own ancestors (the mask decoding verifies with,
+ddtree.tree_attention_mask), and the logits are read at every node:
+
+    logits = tree_target_logits(target.model, ids, anchors, trees)
+    logits[i]   # [n_i + 1, V]: row 0 after the anchor's own token (the root), row j after node j
+
+Conventions as in decoding: anchor a's root is the sequence's token at a (the bonus token of a
+decoding round), a node at depth d sits at position a + d, siblings share a position.
+
 Cost of a distilled step: one target forward over T + anchors * budget tokens (attention over its
 square), `anchors` tree builds (as validation's) and [anchors * (budget + 1), V] drafter logits.
 """
@@ -37,7 +47,6 @@ square), `anchors` tree builds (as validation's) and [anchors * (budget + 1), V]
 import torch
 
 from dflash_train.decoding.ddtree import DraftTree, build_tree
-from dflash_train.training.tree_labels import tree_target_logits
 
 
 def pick_blocks(valid: torch.Tensor, anchors: int, step: int) -> tuple[int, list[int]]:
@@ -101,6 +110,46 @@ def node_log_probs(model, lm_head, hidden: torch.Tensor, tree: DraftTree, bonus:
         u = _markov_vectors(model.markov_head, tokens, depths, index[parents.clamp(min=0)], hidden)
         logits = logits + model.markov_head.markov_w2(u.to(logits.dtype))
     return rows, None, torch.log_softmax(logits.float(), dim=-1)
+
+
+def packed_trees(ids: torch.Tensor, anchors: list[int], trees: list[DraftTree]):
+    """ids [T] long; anchors (positions in ids, each the root of its tree) -> (tokens [T + N],
+    positions [T + N], visible [T + N, T + N] bool, rows: per tree the rows of its root and nodes).
+    N is the trees' total size. The sequence rows are causal and see no tree row."""
+    T = ids.shape[0]
+    total = T + sum(t.size for t in trees)
+    visible = torch.zeros(total, total, dtype=torch.bool)
+    visible[:T, :T] = torch.ones(T, T, dtype=torch.bool).tril()
+    tokens, positions, rows, off = [ids.cpu()], [torch.arange(T)], [], T
+    for a, tree in zip(anchors, trees):
+        if not 0 <= a < T:
+            raise ValueError(f"anchor {a} is outside the sequence of {T} tokens")
+        n = tree.size
+        nodes = slice(off, off + n)
+        visible[nodes, : a + 1] = True                      # the sequence up to the root
+        visible[nodes, nodes] = tree.visibility[1:, 1:]     # the node's ancestors and itself
+        tokens.append(tree.tokens)
+        positions.append(a + tree.depths)
+        rows.append(torch.cat([torch.tensor([a]), torch.arange(off, off + n)]))
+        off += n
+    return torch.cat(tokens), torch.cat(positions), visible, rows
+
+
+@torch.no_grad()
+def tree_target_logits(model, ids: torch.Tensor, anchors: list[int],
+                       trees: list[DraftTree]) -> list[torch.Tensor]:
+    """The target's logits at each tree's root and nodes (see the module docstring), one forward
+    of width T + N with an additive [1, 1, T+N, T+N] mask. Cost: one target pass over the
+    sequence and the nodes, and attention over (T + N)^2 pairs, so keep N near T (a few anchors
+    of a small budget)."""
+    device = next(model.parameters()).device
+    tokens, positions, visible, rows = packed_trees(ids, anchors, trees)
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)
+    out = model(input_ids=tokens[None].to(device), position_ids=positions[None].to(device),
+                attention_mask=mask[None, None].to(device), use_cache=False)
+    logits = out.logits[0]
+    return [logits[r.to(device)] for r in rows]
 
 
 def tree_distillation_loss(model, target, ids: torch.Tensor, block_hidden: torch.Tensor, anchors: list[int],

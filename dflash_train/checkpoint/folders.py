@@ -277,13 +277,22 @@ def load_checkpoint(folder: Path) -> tuple[dict, dict]:
     return weights, state
 
 
+def size_mismatch(sizes: list[tuple[str, int | None, int]]) -> tuple[str, int, int] | None:
+    """The drafter-against-a-model shape check (resuming, exporting): sizes as (name, mine, theirs) ->
+    the first that differs, or None. Mine None is a size the drafter does not record: not compared.
+    The callers word the error, each for its own situation."""
+    return next(((name, mine, theirs) for name, mine, theirs in sizes
+                 if mine is not None and mine != theirs), None)
+
+
 def check_resumable(folder: Path, drafter: DFlashDrafter) -> None:
     """A checkpoint resumes only into a drafter of its own shape (the target folder may have changed
     since: another hidden size would fail deep inside load_state_dict)."""
     saved, _ = drafter_config_from(read_config(folder))
-    for name, field in [("hidden size", "hidden_size"), ("vocabulary size", "vocab_size"),
-                        ("intermediate size", "intermediate_size"), ("layer count", "num_hidden_layers")]:
-        mine, theirs = getattr(drafter.config, field), getattr(saved, field)
-        if mine != theirs:
-            raise UserError(f"cannot resume from {folder}: it holds a drafter of {name} {theirs}, the target "
-                            f"now gives {mine} (the target changed since?)")
+    fields = [("hidden size", "hidden_size"), ("vocabulary size", "vocab_size"),
+              ("intermediate size", "intermediate_size"), ("layer count", "num_hidden_layers")]
+    differs = size_mismatch([(name, getattr(drafter.config, f), getattr(saved, f)) for name, f in fields])
+    if differs:
+        name, mine, theirs = differs
+        raise UserError(f"cannot resume from {folder}: it holds a drafter of {name} {theirs}, the target "
+                        f"now gives {mine} (the target changed since?)")

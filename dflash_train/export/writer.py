@@ -10,7 +10,7 @@ from huggingface_hub import HfApi
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash_train.checkpoint.folders import drafter_fingerprint, mask_token_text
+from dflash_train.checkpoint.folders import drafter_fingerprint, mask_token_text, size_mismatch
 from dflash_train.checkpoint.formats import SPECULATORS, native_config, speculators_config
 from dflash_train.core.errors import UserError
 from dflash_train.core.outputs import MARKER
@@ -35,12 +35,13 @@ def load_verifier(source: str, revision: str | None, trust_remote_code: bool):
 
 def check_verifier(cfg, mask_token: str | None, vconfig, vtokenizer, verifier: str) -> str:
     """The drafter must fit the verifier exactly. Returns the mask token's text."""
-    for name, mine, theirs in [("hidden size", cfg.hidden_size, vconfig.hidden_size),
-                               ("vocabulary size", cfg.vocab_size, vconfig.vocab_size),
-                               ("layer count", cfg.num_target_layers, vconfig.num_hidden_layers)]:
-        if mine is not None and mine != theirs:
-            raise UserError(f"verifier '{verifier}' does not match the drafter: {name} {theirs} vs drafter "
-                            f"{mine}")
+    differs = size_mismatch([("hidden size", cfg.hidden_size, vconfig.hidden_size),
+                             ("vocabulary size", cfg.vocab_size, vconfig.vocab_size),
+                             ("layer count", cfg.num_target_layers, vconfig.num_hidden_layers)])
+    if differs:
+        name, mine, theirs = differs
+        raise UserError(f"verifier '{verifier}' does not match the drafter: {name} {theirs} vs drafter "
+                        f"{mine}")
     try:
         check_tap_layers(cfg.target_layer_ids, vconfig.num_hidden_layers)
     except UserError as e:

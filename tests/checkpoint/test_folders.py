@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import error_line
-from dflash_train.checkpoint.folders import check_resumable, load_drafter
+from dflash_train.checkpoint.folders import check_resumable, load_drafter, size_mismatch
 from dflash_train.cli.eval import main as eval_main
 from dflash_train.cli.export import main as export_main
 from dflash_train.core.errors import UserError
@@ -53,3 +53,10 @@ def test_a_checkpoint_resumes_only_into_its_own_shape(fresh_drafter_dir):
     narrower = DFlashDrafter(type(cfg)(**{**cfg.to_dict(), "hidden_size": 64, "head_dim": 16}))
     with pytest.raises(UserError, match="hidden size 128, the target now gives 64"):
         check_resumable(fresh_drafter_dir, narrower)
+
+
+def test_the_shape_check_names_the_first_size_that_differs_and_skips_unrecorded_ones():
+    """Resuming and exporting share it: a size the drafter does not record (None) is not compared."""
+    assert size_mismatch([("hidden size", 64, 64), ("layer count", None, 30)]) is None
+    assert size_mismatch([("hidden size", 64, 64), ("vocabulary size", 10, 12),
+                          ("layer count", 2, 3)]) == ("vocabulary size", 10, 12)

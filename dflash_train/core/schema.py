@@ -45,14 +45,22 @@ def validated(model: type[BaseModel], data, where: str):
         raise UserError(f"{where}: {describe(e)}") from None
 
 
+def load_json(path: Path, unreadable: str | None = None):
+    """A JSON file -> its object, unchecked; unreadable, truncated or malformed -> one UserError line
+    naming the file: `<unreadable> (<error type>)` where the caller says what the file should have
+    been (an eval report, a costs JSON), else ours for the files we write (read_json's)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # ValueError: truncated or not JSON (or not UTF-8)
+        if unreadable is not None:
+            raise UserError(f"{unreadable} ({type(e).__name__})") from None
+        if isinstance(e, OSError):
+            raise UserError(f"cannot read '{path}' ({e.strerror or type(e).__name__})") from None
+        raise UserError(f"'{path}' is not valid JSON ({e}): it is damaged or was not written by "
+                        "dflash-train") from None
+
+
 def read_json(path: Path, model: type[BaseModel]):
     """A JSON file we wrote (a manifest, a checkpoint's state) -> `model`; unreadable, truncated or
     malformed -> one UserError line naming the file (and the field)."""
-    try:
-        obj = json.loads(path.read_text())
-    except OSError as e:
-        raise UserError(f"cannot read '{path}' ({e.strerror or type(e).__name__})") from None
-    except ValueError as e:  # truncated or not JSON
-        raise UserError(f"'{path}' is not valid JSON ({e}): it is damaged or was not written by "
-                        "dflash-train") from None
-    return validated(model, obj, f"'{path}'")
+    return validated(model, load_json(path), f"'{path}'")

@@ -69,7 +69,6 @@ def costs(targets: dict, drafter, context: int, rounds: int) -> dict:
 
 
 def departure(targets: dict, limit: int, max_new_tokens: int) -> dict:
-    args = argparse.Namespace(temperature=0.0, tree_scores="conditional")
     t32 = targets["fp32"]
     stops = stop_token_ids(t32.model, t32.tokenizer)
     out = {}
@@ -77,8 +76,9 @@ def departure(targets: dict, limit: int, max_new_tokens: int) -> dict:
         _, prompts = load_suite(spec, limit)
         turns = []
         for i, prompt in enumerate(prompts):
-            got = {k: decode_prompt(t, None, prompt, Sample(0, i, 0, "ar", 0), args, stops, seed=i,
-                                    max_new_tokens=max_new_tokens).outputs for k, t in targets.items()}
+            got = {k: decode_prompt(t, None, prompt, Sample(0, i, 0, "ar", 0), stops, seed=i,
+                                    max_new_tokens=max_new_tokens, temperature=0.0,
+                                    tree_scores="conditional").outputs for k, t in targets.items()}
             for a, b in zip(got["fp32"], got["bf16-weights"]):
                 turns.append({"prompt": i, "tokens": [len(a), len(b)],
                               "first_difference": first_difference(a, b)})

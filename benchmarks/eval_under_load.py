@@ -30,6 +30,7 @@ from tqdm.auto import tqdm
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.evaluation import speed
+from dflash_train.evaluation.run import EvalSettings
 from dflash_train.evaluation.speed import verdict_text
 from dflash_train.evaluation.suites import load_suite
 from dflash_train.evaluation.summary import summarize
@@ -52,26 +53,26 @@ def stop_hogs(hogs: list[subprocess.Popen]) -> None:
         h.wait()
 
 
-def sweep(target, drafter, prompts, order, args, stops, hogs: int):
+def sweep(target, drafter, prompts, order, settings: EvalSettings, stops, hogs: int):
     """Run `order`; with hogs > 0, start them after half of it. -> (samples, index where load began)."""
     bar = tqdm(total=len(order), disable=True)
     half = len(order) // 2 if hogs else len(order)
-    samples = run_sweep(target, drafter, [prompts], order[:half], args, stops, bar)
+    samples = run_sweep(target, drafter, [prompts], order[:half], settings, stops, bar)
     started = start_hogs(hogs) if hogs else []
     try:
         time.sleep(1.0 if hogs else 0.0)  # let the hogs reach full speed
-        samples += run_sweep(target, drafter, [prompts], order[half:], args, stops, bar)
+        samples += run_sweep(target, drafter, [prompts], order[half:], settings, stops, bar)
     finally:
         stop_hogs(started)
     return samples, half
 
 
-def rows_of(samples, methods, n, args, B):
-    draws = speed.resample(n, args.repeats)
+def rows_of(samples, methods, n, settings: EvalSettings, B):
+    draws = speed.resample(n, settings.repeats)
     by = {m: [x for x in samples if (x.method, x.budget) == m] for m in methods}
     out, resampled = {}, {}
     for m in methods:
-        out[m], resampled[m] = summarize(by[m], by[("ar", 0)], "tinychat", n, args, B, draws)
+        out[m], resampled[m] = summarize(by[m], by[("ar", 0)], "tinychat", n, settings, B, draws)
     old = {m: np.mean([x.tpot for x in by[("ar", 0)]]) / np.mean([x.tpot for x in by[m]]) for m in methods}
     return out, speed.verdict(resampled), old
 
@@ -86,7 +87,8 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--hogs", type=int, default=os.cpu_count(), help="CPU-heavy processes started halfway")
     args = p.parse_args(argv)
-    args.temperature, args.seed = 0.0, 0
+    settings = EvalSettings(drafter=args.drafter, output="", temperature=0.0, seed=0, repeats=args.repeats,
+                            max_new_tokens=args.max_new_tokens)
     budgets = [int(b) for b in args.budgets.split(",")]
 
     drafter, meta = load_drafter(args.drafter)
@@ -103,17 +105,17 @@ def main(argv=None):
           f"{args.max_new_tokens} new tokens, torch {torch.__version__} with {torch.get_num_threads()} "
           f"thread(s), {os.cpu_count()} CPUs, {args.hogs} hog process(es) from halfway; load average before: "
           f"{Path('/proc/loadavg').read_text().split()[:3]}")
-    warm_up(target, drafter, prompts[0], methods, args, stops)
+    warm_up(target, drafter, prompts[0], methods, settings, stops)
 
     runs = {}
     for name, order, hogs in [("quiet", interleaved, 0), ("loaded", interleaved, args.hogs),
                               ("old order", method_major, args.hogs)]:
         t0 = time.perf_counter()
-        samples, half = sweep(target, drafter, prompts, order, args, stops, hogs)
+        samples, half = sweep(target, drafter, prompts, order, settings, stops, hogs)
         ar = [(k, x.tpot) for k, x in enumerate(samples) if x.method == "ar"]
         before = np.median([t for k, t in ar if k < half]) if hogs else np.nan
         after = np.median([t for k, t in ar if k >= half] or [np.nan]) if hogs else np.nan
-        runs[name] = rows_of(samples, methods, n, args, B)
+        runs[name] = rows_of(samples, methods, n, settings, B)
         print(f"{name}: {time.perf_counter() - t0:.0f} s" + (
             f"; AR ms/token before the load {1e3 * before:.2f}, after {1e3 * after:.2f}" if hogs else "")
             + (" (in the old order AR ran entirely before the load)" if name == "old order" else ""))

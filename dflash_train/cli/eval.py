@@ -12,37 +12,24 @@ and of the time per stage (prefill excluded), the speedup predicted at each --co
 cost curve measured here (dflash_train/evaluation/costs.py), and at temperature 0 `lossless`: every chain
 and DDTree output equals the AR greedy output token for token. Writes report.json, report.md
 and PNG plots to --output.
+
+The pipeline: dflash_train/evaluation/run.py (evaluate); here the flags, the output's check, the write.
 """
 
 import math
 import sys
 from pathlib import Path
 
-import torch
-from tqdm.auto import tqdm
-
-from dflash_train.checkpoint.folders import (check_matches_target, drafter_fingerprint, load_drafter,
-                                             resolve_folder, trained_for)
-from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
-from dflash_train.core.outputs import output_lock, require_free_output, write_atomically
-from dflash_train.core.progress import BAR_INTERVAL
+from dflash_train.cli import defaults_of, locked_main
+from dflash_train.core.errors import OneLineArgumentParser, UserError
+from dflash_train.core.outputs import require_free_output, write_atomically
 from dflash_train.core.seeds import SEED_LIMIT
-from dflash_train.data.dataset import stop_token_ids
 from dflash_train.decoding.decode import TREE_SCORES
-from dflash_train.evaluation.costs import measure_costs, read_device_costs, widths_for
 from dflash_train.evaluation.report import write_report
-from dflash_train.evaluation.suites import DEFAULT_SUITE, load_suite
-from dflash_train.evaluation.summary import build_report, hardware_record, scorer_key
-from dflash_train.evaluation.sweep import check_prompts_fit, run_sweep, sweep_order, warm_up
+from dflash_train.evaluation.run import BF16_WEIGHTS, EvalSettings, evaluate, resolve_device
+from dflash_train.evaluation.suites import DEFAULT_SUITE
 from dflash_train.model.cpu_linear import CHOICES as CPU_LINEAR_CHOICES
-from dflash_train.model.cpu_linear import use_stream_linear
-from dflash_train.model.gqa_attention import use_gqa_sdpa
-from dflash_train.model.target import (check_positions, config_positions, load_target, locate_verifier,
-                                       round_weights_to_bf16, target_dtype)
 from dflash_train.training.config import MAX_TREE_BUDGET
-
-# --target-dtype: bf16 weight values held in fp32 (model/target.py round_weights_to_bf16)
-BF16_WEIGHTS = "bf16-weights"
 
 # A budget-b tree is verified in one forward of width b+1: [b+1, vocab] logits and a
 # [b+1, context+b+1] mask, and the cost curve is measured up to width 1024 at most. Beyond 4096 nodes
@@ -82,63 +69,47 @@ def parse_concurrency(text: str) -> list[int]:
     return levels
 
 
-def resolve_device(text: str) -> torch.device:
-    if text == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device '{text}' is not a device (auto, cpu, cuda or cuda:N)") from None
-    if device.type not in ("cpu", "cuda"):
-        raise UserError(f"--device '{text}' is not supported (auto, cpu, cuda or cuda:N)")
-    if device.type == "cuda":
-        if torch.version.cuda is None:
-            raise UserError(f"--device {text}: this torch build ({torch.__version__}) has no CUDA support")
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {text}: torch sees no CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {text}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return device
-
-
-def parse_args(argv):
+def parse_args(argv) -> EvalSettings:
+    """The flags, checked -> the run's settings (one `error:` line and exit 2 on a bad flag)."""
     p = OneLineArgumentParser(prog="dflash-eval", description=__doc__.splitlines()[0])
     p.add_argument("--drafter", required=True, help="drafter folder (from training, or an export)")
-    p.add_argument("--target", default=None,
+    p.add_argument("--target",
                    help="target folder or Hub id (default: the one the drafter names)")
-    p.add_argument("--target-revision", default=None)
-    p.add_argument("--suite", action="append", default=None,
+    p.add_argument("--target-revision")
+    p.add_argument("--suite", action="append",
                    help="suite name, NAME=local_file or a messages .jsonl (repeatable; default "
                         f"{DEFAULT_SUITE})")
-    p.add_argument("--budgets", default="4,16,64,256",
+    p.add_argument("--budgets",
                    help="DDTree budgets (non-root nodes); 0 = plain decoding")
-    p.add_argument("--tree-scores", default="conditional", choices=TREE_SCORES,
+    p.add_argument("--tree-scores", choices=TREE_SCORES,
                    help="a DSpark, DFlash2 or XPress drafter's DDTree: path-conditioned "
                         "(default; DFlash2: by its selector) or from the backbone's marginals")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-new-tokens", type=int, default=128, help="per assistant turn")
-    p.add_argument("--limit", type=int, default=None, help="prompts per suite (default: the suite's samples)")
-    p.add_argument("--repeats", type=int, default=1,
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--max-new-tokens", type=int, help="per assistant turn")
+    p.add_argument("--limit", type=int, help="prompts per suite (default: the suite's samples)")
+    p.add_argument("--repeats", type=int,
                    help="times the whole interleaved sweep runs (timing samples)")
-    p.add_argument("--concurrency", default="1,4,16",
+    p.add_argument("--concurrency",
                    help="requests sharing one verify forward, for the predicted speedups")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
-    p.add_argument("--target-dtype", choices=["auto", "bf16", BF16_WEIGHTS, "fp32"], default="auto",
+    p.add_argument("--seed", type=int)
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--target-dtype", choices=["auto", "bf16", BF16_WEIGHTS, "fp32"],
                    help="target and drafter weights: auto = bf16 on a GPU that has it, else fp32; bf16 on a "
                         "CPU with AVX-512 BF16 verifies ~1.7x faster, but a tree's verify forward rounds "
                         "differently from AR's, so at temperature 0 outputs can part at near-ties: lossless "
                         f"is exact in fp32; {BF16_WEIGHTS} = weights rounded to bf16, activations in fp32 "
                         "(a CPU without native bf16: the streaming linear reads half the bytes, and "
                         "lossless stays exact)")
-    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES, default="auto",
+    p.add_argument("--cpu-linear", choices=CPU_LINEAR_CHOICES,
                    help="fp32 on a CPU: stream = the weight-streaming linear (a few-token verify costs about "
                         "one token; needs cc and AVX2), torch = torch's GEMM, auto = stream where it builds")
-    p.add_argument("--verify-times", default=None,
+    p.add_argument("--verify-times",
                    help="costs JSON from benchmarks/gpu_costs.py: also predict speedups on that device")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--output", required=True, help="report folder")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    defaults = defaults_of(EvalSettings)  # stated once, in EvalSettings; the comma lists as their text
+    p.set_defaults(**(defaults | {k: ",".join(map(str, defaults[k])) for k in ("budgets", "concurrency")}))
     args = p.parse_args(argv)
     if not 0 <= args.seed < SEED_LIMIT:  # per-prompt seeds are derived from it
         p.error(f"--seed must be from 0 to 2**32 - 1, got {args.seed}")
@@ -154,105 +125,22 @@ def parse_args(argv):
                 f"{args.repeats}")
     args.budgets = parse_budgets(args.budgets)
     args.concurrency = parse_concurrency(args.concurrency)
-    args.device = resolve_device(args.device)
-    return args
+    resolve_device(args.device)  # checked here, before the output or any input; evaluate resolves it
+    return EvalSettings(**vars(args) | {"argv": argv})
 
 
-def choose_cpu_linear(choice: str, target, drafter, device: torch.device, dtype: torch.dtype) -> str:
-    """Switch target and drafter to the streaming linear where asked and possible. -> the one in use."""
-    if choice == "torch" or device.type != "cpu" or dtype != torch.float32:
-        if choice == "stream":
-            raise UserError(f"--cpu-linear stream runs fp32 on a CPU only (here: {device.type}, "
-                            f"{str(dtype).removeprefix('torch.')}); use --cpu-linear auto or torch")
-        return "torch"
-    _, why = use_stream_linear(target.model)
-    if why is not None:
-        if choice == "stream":
-            raise UserError(f"--cpu-linear stream: {why}; use --cpu-linear torch")
-        print(f"dflash-eval: torch's linear kept ({why})", file=sys.stderr)
-        return "torch"
-    use_stream_linear(drafter)
-    return "stream"
-
-
-@cli_guard
-def main(argv=None):
-    args = parse_args(argv)
-    with output_lock(Path(args.output), "--output"):  # one dflash-train process per output
-        run(args, argv)
-
-
-def run(args, argv) -> None:
-    out = Path(args.output)
-    require_free_output(out, args.overwrite, "eval", [("--drafter", args.drafter), ("--target", args.target),
-                                                      ("--verify-times", args.verify_times)])
-    device_costs = read_device_costs(args.verify_times)
-    suites = [load_suite(s, args.limit) for s in (args.suite or [DEFAULT_SUITE])]  # before the target: cheap
-    names = [name for name, _ in suites]
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice is not None:  # one heading and one report.json name would merge them
-        specs = [s for s, (n, _) in zip(args.suite, suites) if n == twice]
-        raise UserError(f"--suite: {' and '.join(specs)} are both named '{twice}' (a suite file is named by "
-                        "its stem): give each suite once, under its own file name")
-
-    drafter, meta = load_drafter(args.drafter)
-    fingerprint = drafter_fingerprint(drafter)  # of the drafter as stored, before any cast or move
-    device = args.device
-    bf16_weights = args.target_dtype == BF16_WEIGHTS
-    dtype = target_dtype("fp32" if bf16_weights else args.target_dtype, device)
-    # the report names the target as the drafter does (a Hub id it is pinned to), wherever it loaded from
-    target_id = args.target or meta["target"]["name_or_path"]
-    source, chosen = (args.target, None) if args.target else locate_verifier(
-        target_id, meta["target"].get("pin"), "--target")
-    if chosen:
-        print(chosen, file=sys.stderr)
-    target = load_target(source, revision=args.target_revision or (None if args.target
-                                                                      else meta["target"]["revision"]),
-                         dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
-    check_matches_target(drafter.config, target)
-    positions = config_positions(target.model.config)
-    check_positions(args.max_new_tokens, "--max-new-tokens", positions, target_id)
-    check_prompts_fit(suites, target.tokenizer, positions, target_id)
-    drafter.to(device=device, dtype=dtype).eval()
-    if bf16_weights:  # before the streaming linear, which then keeps each weight's bf16 copy
-        round_weights_to_bf16(target.model)
-        round_weights_to_bf16(drafter)
-    cpu_linear = choose_cpu_linear(args.cpu_linear, target, drafter, device, dtype)
-    if device.type == "cpu":  # the same bits without copying K/V heads per layer (CUDA: sdpa's own choice)
-        use_gqa_sdpa(target.model)
-    stops = stop_token_ids(target.model, target.tokenizer)
-    B = drafter.config.block_size
-
-    methods = [("ar", 0), ("dflash", B - 1)] + [("ddtree", b) for b in args.budgets]
-    order = sweep_order([len(p) for _, p in suites], methods, args.repeats)
-    warm_up(target, drafter, suites[0][1][0], methods, args, stops)
-    bar = tqdm(total=len(order), desc="eval", dynamic_ncols=True, mininterval=BAR_INTERVAL)
-    samples = run_sweep(target, drafter, [p for _, p in suites], order, args, stops, bar)
-    bar.close()
-
-    # The cost curve at the mean context the AR verify forwards saw.
-    ar = [x for x in samples if x.method == "ar"]
-    context = max(1, round(sum(x.context_tokens for x in ar) / max(sum(x.decoded for x in ar), 1)))
-    widths, context_widths = widths_for(max(args.concurrency) * max(b + 1 for _, b in methods))
-    costs = measure_costs(target, drafter, context, args.concurrency, widths=widths,
-                          contexts=[c * context for c in args.concurrency], context_widths=context_widths)
-    args.scores = scorer_key(drafter.config, args.tree_scores)  # which scored costs --verify-times reads
-    report = build_report(args, argv, suites, methods, samples, costs, device_costs, B)
-    report.update({"drafter": str(args.drafter), "drafter_fingerprint": fingerprint, "target": target_id,
-                   "target_revision": target.revision, "block_size": B,
-                   "target_layer_ids": drafter.config.target_layer_ids,
-                   "hardware": hardware_record(device) | {
-                       "dtype": BF16_WEIGHTS if bf16_weights else str(dtype).removeprefix("torch."),
-                       "cpu_linear": cpu_linear, "attention": target.model.config._attn_implementation},
-                   "variant": drafter.config.variant, "markov_rank": drafter.config.markov_rank,
-                   "markov_head_type": drafter.config.markov_head_type,
-                   "selector_rank": drafter.config.selector_rank,
-                   "selector_top_k": drafter.config.selector_top_k,
-                   **{k: getattr(drafter.config, k) for k in drafter.variant.recipe_fields},  # XPress's
-                   "tree_scores": args.tree_scores,
-                   "trained_for": trained_for(resolve_folder(args.drafter))})
+def run(settings: EvalSettings) -> None:
+    """Check the output is free, evaluate, write the report folder whole, print report.md."""
+    out = Path(settings.output)
+    inputs = [("--drafter", settings.drafter), ("--target", settings.target),
+              ("--verify-times", settings.verify_times)]
+    require_free_output(out, settings.overwrite, "eval", inputs)
+    report = evaluate(settings)
     write_atomically(out, lambda tmp: write_report(tmp, report), "eval")
     print((out / "report.md").read_text())
+
+
+main = locked_main(parse_args, run)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from dflash_train.evaluation import speed
 from dflash_train.evaluation.loops import find_loop
 from dflash_train.evaluation.sweep import Sample
 from dflash_train.model.variants import VARIANTS
+
+if TYPE_CHECKING:  # run.py imports this module
+    from dflash_train.evaluation.run import EvalSettings
 
 
 def grid(samples: list[Sample], n_prompts: int, repeats: int, value) -> np.ndarray:
@@ -40,33 +44,34 @@ def ms_per_round(samples: list[Sample], n: int, R: int, seconds) -> np.ndarray:
                 lambda x: 1e3 * seconds(x) / len(x.accept_lengths) if x.accept_lengths else np.nan)
 
 
-def summarize(samples: list[Sample], ar: list[Sample], suite: str, n: int, args, block_size: int,
-              draws: tuple) -> tuple[dict, np.ndarray]:
+def summarize(samples: list[Sample], ar: list[Sample], suite: str, n: int, settings: "EvalSettings",
+              block_size: int, draws: tuple) -> tuple[dict, np.ndarray]:
     """One report row (suite x method) and its resampled speedup over AR."""
+    s, R = settings, settings.repeats
     x0 = samples[0]
     rounds = sum(len(x.accept_lengths) for x in samples)
     hist = Counter(a for x in samples for a in x.accept_lengths)
     lossless = None
-    if args.temperature == 0:
+    if s.temperature == 0:
         ar_out = {(x.prompt, x.repeat): x.outputs for x in ar}
         lossless = all(x.outputs == ar_out[(x.prompt, x.repeat)] for x in samples)
-    speedup = speed.paired_speedup(grid(ar, n, args.repeats, lambda x: x.tpot),
-                                   grid(samples, n, args.repeats, lambda x: x.tpot), draws)
-    per_round = {s: ms_per_round(samples, n, args.repeats, lambda x, s=s: x.stage_s[s]) for s in STAGES}
+    speedup = speed.paired_speedup(grid(ar, n, R, lambda x: x.tpot), grid(samples, n, R, lambda x: x.tpot),
+                                   draws)
+    per_round = {st: ms_per_round(samples, n, R, lambda x, st=st: x.stage_s[st]) for st in STAGES}
     median = lambda a: round(float(np.nanmedian(a)), 4) if not np.isnan(a).all() else None  # noqa: E731
-    tps = grid(samples, n, args.repeats, lambda x: x.decoded / x.decode_s if x.decode_s else float("nan"))
+    tps = grid(samples, n, R, lambda x: x.decoded / x.decode_s if x.decode_s else float("nan"))
     turns = sum(len(x.outputs) for x in samples)
     row = {
         "suite": suite, "method": x0.method, "budget": x0.budget, "verify_width": x0.budget + 1,
-        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "prompts": n,
-        "repeats": args.repeats, "rounds": rounds,
-        "tau": round(float(np.nanmean(grid(samples, n, args.repeats, lambda x: x.tau))), 4),
+        "temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "prompts": n,
+        "repeats": R, "rounds": rounds,
+        "tau": round(float(np.nanmean(grid(samples, n, R, lambda x: x.tau))), 4),
         "speedup": None if np.isnan(speedup[0]) else round(float(speedup[0]), 3),
         "speedup_interval": speed.interval(speedup),
         "tokens_per_s": None if np.isnan(tps).all() else round(float(np.nanmedian(tps)), 1),
         "lossless": lossless,
         "accept_hist": {str(k): hist.get(k, 0) for k in range(1, block_size + 1)},
-        "stage_ms_per_round": {s: median(per_round[s]) for s in STAGES},
+        "stage_ms_per_round": {st: median(per_round[st]) for st in STAGES},
         "prefill_ms_per_turn": round(1000 * sum(x.prefill_s for x in samples) / max(turns, 1), 3),
         **spine_summary(samples),
         **loop_summary(samples),
@@ -128,14 +133,14 @@ def calibration_summary(samples: list[Sample]) -> dict | None:
             "measured": round(sum(c[1] for c in cells.values()) / nodes, 4)}
 
 
-def predictions(by_method: dict, methods, n: int, args, draws: tuple, curves: speed.Curves,
-                stages) -> tuple[dict, dict]:
+def predictions(by_method: dict, methods, n: int, settings: "EvalSettings", draws: tuple,
+                curves: speed.Curves, stages) -> tuple[dict, dict]:
     """Predicted speedup per method and concurrency -> ({method: {c: entry}}, {c: verdict}).
     stages(method, samples) -> {"draft", "host", "verify"}: [n, R] ms per round of one request."""
-    R = args.repeats
+    R = settings.repeats
     ar_stages = stages(("ar", 0), by_method[("ar", 0)])
     rows, verdicts = {m: {} for m in methods}, {}
-    for c in args.concurrency:
+    for c in settings.concurrency:
         values = {}
         for m in methods:
             # tokens per round as the measured times count them (the first token of a turn comes from
@@ -262,31 +267,32 @@ def _nvidia_driver() -> str | None:
         return None
 
 
-def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict, device_costs: dict | None,
-                 block_size: int) -> dict:
-    """Rows per suite and method (acceptance, paired speedup, medians), the verdicts, the predictions."""
+def build_report(settings: "EvalSettings", suites, methods, samples: list[Sample], costs: dict,
+                 device_costs: dict | None, block_size: int, scores: tuple[str | None, str | None]) -> dict:
+    """Rows per suite and method (acceptance, paired speedup, medians), the verdicts, the predictions.
+    scores (scorer_key): which scored costs of device_costs the drafter's trees and chain pay."""
+    s = settings
     results, advice = [], {}
     curves = speed.Curves.from_rounds(costs)  # resampled over the cost rounds
-    for s, (name, prompts) in enumerate(suites):
+    for k, (name, prompts) in enumerate(suites):
         n = len(prompts)
-        draws = speed.resample(n, args.repeats)
-        by_method = {m: [x for x in samples if x.suite == s and (x.method, x.budget) == m] for m in methods}
+        draws = speed.resample(n, s.repeats)
+        by_method = {m: [x for x in samples if x.suite == k and (x.method, x.budget) == m] for m in methods}
         if not any(x.accept_lengths for x in by_method[("ar", 0)]):
             raise UserError(f"suite '{name}': every reply ended at its first token, so no decoding round was "
                             "timed")
         rows, measured = {}, {}
         for m in methods:
-            rows[m], measured[m] = summarize(by_method[m], by_method[("ar", 0)], name, n, args, block_size,
+            rows[m], measured[m] = summarize(by_method[m], by_method[("ar", 0)], name, n, s, block_size,
                                              draws)
-        predicted, by_concurrency = predictions(by_method, methods, n, args, draws, curves,
-                                                measured_stages(n, args.repeats))
+        predicted, by_concurrency = predictions(by_method, methods, n, s, draws, curves,
+                                                measured_stages(n, s.repeats))
         for m in methods:
             rows[m]["predicted"] = predicted[m]
         advice[name] = {"measured": speed.verdict(measured), "concurrency": by_concurrency}
         if device_costs:
-            dev_rows, dev_verdicts = predictions(by_method, methods, n, args, draws,
-                                                 *device_costs_model(device_costs, n, args.repeats,
-                                                                     getattr(args, "scores", (None, None))))
+            dev_rows, dev_verdicts = predictions(by_method, methods, n, s, draws,
+                                                 *device_costs_model(device_costs, n, s.repeats, scores))
             for m in methods:
                 rows[m]["predicted_on_device"] = dev_rows[m]
             advice[name]["device"] = {"name": device_costs.get("device"), "concurrency": dev_verdicts}
@@ -294,8 +300,8 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
     verify_ms = np.asarray(costs["verify_ms"])
     draft_ms = np.asarray(costs["draft_ms"])
     return {
-        "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "budgets": args.budgets,
-        "repeats": args.repeats, "concurrency": args.concurrency,
+        "temperature": s.temperature, "max_new_tokens": s.max_new_tokens, "budgets": s.budgets,
+        "repeats": s.repeats, "concurrency": s.concurrency,
         "speed": {"order": "interleaved: every prompt decoded by every method back to back, order rotated "
                            "per prompt",
                   "speedup": "median over prompts and repeats of AR's decode time per token / the method's "
@@ -308,11 +314,10 @@ def build_report(args, argv, suites, methods, samples: list[Sample], costs: dict
                   "draft_ms_by_batch": {str(c): round(float(v), 4)
                                         for c, v in zip(costs["batches"], np.median(draft_ms, axis=0))},
                   **cost_grid(costs, curves),
-                  "device_costs": {"name": device_costs.get("device"), "file": str(args.verify_times),
-                                   "scores": dict(zip(["tree", "chain"],
-                                                      getattr(args, "scores", (None, None)))),
+                  "device_costs": {"name": device_costs.get("device"), "file": str(s.verify_times),
+                                   "scores": dict(zip(["tree", "chain"], scores)),
                                    "context_axis": bool(device_costs.get("verify_ms_by_context"))}
                   if device_costs else None},
         "results": results, "advice": advice,
-        "command": "dflash-eval " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "dflash-eval " + " ".join(sys.argv[1:] if s.argv is None else s.argv),
     }

@@ -6,6 +6,7 @@ repeat: acceptance lengths, outputs, the time per stage, spine and calibration c
 """
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from dflash_train.decoding.ddtree import add_cells
 from dflash_train.decoding.decode import STAGES, decode
 from dflash_train.core.errors import UserError
 from dflash_train.evaluation.suites import Prompt
+
+if TYPE_CHECKING:  # run.py imports this module
+    from dflash_train.evaluation.run import EvalSettings
 
 
 @dataclass
@@ -63,8 +67,8 @@ def sweep_order(prompt_counts: list[int], methods: list[tuple[str, int]], repeat
     return order
 
 
-def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, seed: int,
-                  max_new_tokens: int) -> Sample:
+def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, stops, seed: int, max_new_tokens: int,
+                  temperature: float, tree_scores: str) -> Sample:
     """All turns of one prompt with sample's method, recorded into `sample` (multi-turn: the
     target's own replies become the history)."""
     tok = target.tokenizer
@@ -74,8 +78,8 @@ def decode_prompt(target, drafter, prompt: Prompt, sample: Sample, args, stops, 
         messages.append({"role": "user", "content": turn})
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                       return_dict=True)["input_ids"]
-        r = decode(target, drafter, ids, sample.method, sample.budget, args.temperature, max_new_tokens,
-                   stops, gen, args.tree_scores)
+        r = decode(target, drafter, ids, sample.method, sample.budget, temperature, max_new_tokens, stops,
+                   gen, tree_scores)
         sample.spine = [a + b for a, b in zip(sample.spine, r.spine)]
         add_cells(sample.calibration, r.calibration)
         if r.confidence is not None:
@@ -118,20 +122,21 @@ def check_prompts_fit(suites: list[tuple[str, list[Prompt]]], tok, limit: int | 
                                 f"target '{target}' (max_position_embeddings): drop or shorten the prompt")
 
 
-def run_sweep(target, drafter, suites: list[list[Prompt]], order: list[tuple], args, stops,
-              bar) -> list[Sample]:
+def run_sweep(target, drafter, suites: list[list[Prompt]], order: list[tuple], settings: "EvalSettings",
+              stops, bar) -> list[Sample]:
     samples = []
     for r, s, i, (method, budget) in order:
         bar.set_postfix(repeat=r, method=f"{method}@{budget}" if method == "ddtree" else method)
-        samples.append(decode_prompt(target, drafter, suites[s][i], Sample(s, i, r, method, budget), args,
-                                     stops, args.seed * 100_003 + i, args.max_new_tokens))
+        samples.append(decode_prompt(target, drafter, suites[s][i], Sample(s, i, r, method, budget), stops,
+                                     settings.seed * 100_003 + i, settings.max_new_tokens,
+                                     settings.temperature, settings.tree_scores))
         bar.update(1)
     return samples
 
 
-def warm_up(target, drafter, prompt: Prompt, methods, args, stops) -> None:
+def warm_up(target, drafter, prompt: Prompt, methods, settings: "EvalSettings", stops) -> None:
     """Decode one prompt once per method, untimed: the first calls pay one-off costs
     (allocator growth, kernel selection) that would otherwise land on whichever method runs first."""
     for method, budget in methods:
-        decode_prompt(target, drafter, prompt, Sample(0, 0, 0, method, budget), args, stops, 0,
-                      min(args.max_new_tokens, 32))
+        decode_prompt(target, drafter, prompt, Sample(0, 0, 0, method, budget), stops, 0,
+                      min(settings.max_new_tokens, 32), settings.temperature, settings.tree_scores)

@@ -19,7 +19,7 @@ from conftest import ROOT, TINY_TARGET, error_line, run_main
 from dflash_train.checkpoint.folders import drafter_fingerprint, load_drafter
 from dflash_train.core.outputs import MARKER
 from dflash_train.cli import eval as dflash_eval, export
-from dflash_train.evaluation import costs
+from dflash_train.evaluation import costs, run as eval_run
 from dflash_train.model import target as target_mod
 from test_export import fake_report
 
@@ -215,8 +215,8 @@ def test_plain_decoding_only_end_to_end(fresh_drafter_dir, tmp_path, monkeypatch
     """`--budgets 0` (AR and the chain, no tree): report, plots, and a card from that report whose
     front matter is valid YAML and whose counts read '1 prompt'."""
     # a short cost curve: the plots and the card need one, not its precision
-    monkeypatch.setattr(dflash_eval, "measure_costs", functools.partial(costs.measure_costs, widths=[1, 2, 8],
-                                                                        rounds=2))
+    monkeypatch.setattr(eval_run, "measure_costs", functools.partial(costs.measure_costs, widths=[1, 2, 8],
+                                                                     rounds=2))
     out = tmp_path / "eval"
     code, stdout, stderr = run_main(dflash_eval.main,
                                     ["--drafter", fresh_drafter_dir, "--budgets", "0", "--limit", "1",

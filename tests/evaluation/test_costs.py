@@ -1,7 +1,6 @@
 """The concurrency cost model's context axis (issue 20): synthetic devices where the answer is
 known, the measured grid and what the report says about it, and the measurement itself."""
 
-import argparse
 
 import numpy as np
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from dflash_train.evaluation import speed
 from dflash_train.evaluation.costs import measure_costs
+from dflash_train.evaluation.run import EvalSettings
 from dflash_train.evaluation.summary import cost_grid, device_costs_model, predictions
 from dflash_train.evaluation.sweep import Sample
 
@@ -103,8 +103,8 @@ def test_report_says_which_grid_points_were_measured():
     assert grid["per_pair_ms"] == pytest.approx(D) and "context" in grid["model"]
 
     from dflash_train.evaluation.summary import measured_stages
-    args = argparse.Namespace(temperature=0.0, repeats=1, concurrency=[1, 4, 16, 32])
-    rows, _ = predictions(_by_method(), [("ar", 0), ("ddtree", 16)], 4, args, speed.resample(4, 1, 20),
+    settings = EvalSettings(drafter="d", output="o", temperature=0.0, repeats=1, concurrency=[1, 4, 16, 32])
+    rows, _ = predictions(_by_method(), [("ar", 0), ("ddtree", 16)], 4, settings, speed.resample(4, 1, 20),
                           curves, measured_stages(4, 1))
     tree = rows[("ddtree", 16)]
     assert tree["4"]["extrapolated"] is False and tree["4"]["extrapolated_axes"] == []

@@ -1,6 +1,5 @@
 """`dflash-eval` end to end on the tiny target, its report, and its refusals."""
 
-import argparse
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from conftest import ROOT, run_main
 from dflash_train.checkpoint.folders import drafter_fingerprint, load_drafter
 from dflash_train.cli.eval import main
 from dflash_train.evaluation import speed
+from dflash_train.evaluation.run import EvalSettings
 from dflash_train.evaluation.speed import verdict_text
 from dflash_train.evaluation.summary import device_costs_model, predictions, summarize
 from dflash_train.evaluation.sweep import Sample, sweep_order
@@ -163,9 +163,9 @@ def test_summary_speedup_is_paired_per_prompt():
             stage_s = {"draft": 0.0, "tree": 0.0, "verify": verify_s * load * (1 + i), "commit": 0.0}
             samples.append(Sample(0, i, 0, m, b, accept_lengths=lengths, outputs=[[1] * 21], decoded=20,
                                   stage_s=stage_s))
-    args = argparse.Namespace(temperature=0.0, max_new_tokens=32, repeats=1)
+    settings = EvalSettings(drafter="d", output="o", temperature=0.0, max_new_tokens=32, repeats=1)
     ar = [x for x in samples if x.method == "ar"]
-    row, resampled = summarize([x for x in samples if x.method == "dflash"], ar, "s", 5, args, 8,
+    row, resampled = summarize([x for x in samples if x.method == "dflash"], ar, "s", 5, settings, 8,
                                speed.resample(5))
     assert row["speedup"] == pytest.approx(2.0) and row["speedup_interval"] == [2.0, 2.0]
     assert row["lossless"] is True and row["tau"] == 2.0
@@ -179,9 +179,9 @@ def test_prediction_on_another_device_uses_its_costs():
         samples.append(Sample(0, i, 0, "ddtree", 16, accept_lengths=[4] * 3, decoded=12))
     costs = {"device": "GPU", "verify_ms_by_width": {"1": 10, "16": 10, "128": 11}, "draft_ms": 1.0,
              "tree_build_ms_by_budget": {"16": 0.5, "64": 1.0}}
-    args = argparse.Namespace(temperature=0.0, repeats=1, concurrency=[1, 4])
+    settings = EvalSettings(drafter="d", output="o", temperature=0.0, repeats=1, concurrency=[1, 4])
     by_method = {m: [x for x in samples if (x.method, x.budget) == m] for m in [("ar", 0), ("ddtree", 16)]}
-    rows, verdicts = predictions(by_method, list(by_method), 4, args, speed.resample(4),
+    rows, verdicts = predictions(by_method, list(by_method), 4, settings, speed.resample(4),
                                  *device_costs_model(costs, 4, 1))
     v17 = 10 + (11 - 10) * (17 - 16) / (128 - 16)  # linear in width between measured widths
     assert rows[("ddtree", 16)]["1"]["speedup"] == pytest.approx(4 * 10 / (1.0 + 0.5 + v17), rel=1e-3)

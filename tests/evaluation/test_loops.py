@@ -1,6 +1,5 @@
 """The repetition-loop detector on crafted replies, and dflash-eval's loop counts and tau without loops."""
 
-import argparse
 import json
 
 import pytest
@@ -9,6 +8,7 @@ from transformers import AutoTokenizer
 from conftest import TINY_TARGET
 from dflash_train.evaluation import speed
 from dflash_train.evaluation.loops import Loop, MIN_LOOP_TOKENS, MIN_REPEATS, find_loop
+from dflash_train.evaluation.run import EvalSettings
 from dflash_train.evaluation.summary import summarize
 from dflash_train.evaluation.sweep import Sample
 
@@ -72,16 +72,16 @@ def test_summary_counts_looping_replies_and_reports_tau_without_them():
     chain_accept = {0: 2, 1: 6, 2: 3}  # the loop is easy to draft
     ar = [sample(i, "ar", 0, 1, outputs[i]) for i in range(3)]
     chain = [sample(i, "dflash", 7, chain_accept[i], outputs[i]) for i in range(3)]
-    args = argparse.Namespace(temperature=0.0, max_new_tokens=40, repeats=1)
-    row, _ = summarize(chain, ar, "s", 3, args, 8, speed.resample(3))
+    settings = EvalSettings(drafter="d", output="o", temperature=0.0, max_new_tokens=40, repeats=1)
+    row, _ = summarize(chain, ar, "s", 3, settings, 8, speed.resample(3))
     assert (row["replies"], row["looping_replies"]) == (6, 1)
     assert row["tau"] == pytest.approx((2 + 6 + 3) / 3, abs=1e-4)
     assert row["tau_without_loops"] == pytest.approx((2 + 3) / 2)
-    ar_row, _ = summarize(ar, ar, "s", 3, args, 8, speed.resample(3))
+    ar_row, _ = summarize(ar, ar, "s", 3, settings, 8, speed.resample(3))
     assert ar_row["looping_replies"] == 1 and ar_row["tau_without_loops"] == 1.0
     # every reply loops: no tau is left to report
-    row, _ = summarize([sample(0, "dflash", 7, 5, [loop])], [sample(0, "ar", 0, 1, [loop])], "s", 1, args, 8,
-                       speed.resample(1))
+    row, _ = summarize([sample(0, "dflash", 7, 5, [loop])], [sample(0, "ar", 0, 1, [loop])], "s", 1,
+                       settings, 8, speed.resample(1))
     assert row["looping_replies"] == 1 and row["tau_without_loops"] is None
 
 

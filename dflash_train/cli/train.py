@@ -15,7 +15,8 @@ import sys
 from dflash_train.core.errors import Interrupted, OneLineArgumentParser, UserError, cli_guard
 from dflash_train.training.config import DEFAULT_RECIPE, load_recipe
 from dflash_train.training.run_dir import interrupted_line
-from dflash_train.training.trainer import resolve_recipe_paths, train
+from dflash_train.training.setup import resolve_recipe_paths
+from dflash_train.training.trainer import train
 
 
 class Once(argparse.Action):

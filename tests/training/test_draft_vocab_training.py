@@ -154,10 +154,11 @@ def labels_cache(small_data, tmp_path_factory):
 def counted_run(out, small_data, monkeypatch, *extra) -> tuple[list[dict], dict[int, int]]:
     """A 6-step draft-vocabulary run (log_every=3) -> (metrics, calls of the target's LM head per
     training step, validation left out)."""
+    import dflash_train.training.setup as setup
     import dflash_train.training.trainer as trainer
 
     calls, step_now = {}, {"step": None}
-    real_load, real_step = trainer.load_target, trainer.optimizer_step
+    real_load, real_step = setup.load_target, trainer.optimizer_step
 
     def count(*_):  # a forward hook: returns None, the output is kept
         if step_now["step"] is not None:
@@ -175,7 +176,7 @@ def counted_run(out, small_data, monkeypatch, *extra) -> tuple[list[dict], dict[
         finally:
             step_now["step"] = None
 
-    monkeypatch.setattr(trainer, "load_target", load_target)
+    monkeypatch.setattr(setup, "load_target", load_target)
     monkeypatch.setattr(trainer, "optimizer_step", optimizer_step)
     code, _, stderr = run_main(main, [f"output_dir={out}", "seed=4", "max_steps=6", "log_every=3",
                                       f"model.draft_vocab_size={DRAFT_VOCAB}", "model.num_layers=1",

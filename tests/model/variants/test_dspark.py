@@ -363,7 +363,7 @@ def test_eval_and_training_import_speculators_dspark(tiny_target, tmp_path, smal
 
 def test_dspark_refuses_engines_that_cannot_gather_its_heads(monkeypatch):
     from dflash_train.core.errors import UserError
-    from dflash_train.training.trainer import check_heads_engine
+    from dflash_train.training.setup import check_heads_engine
 
     monkeypatch.delenv("FSDP_RESHARD_AFTER_FORWARD", raising=False)
     for value in [None, "true"]:

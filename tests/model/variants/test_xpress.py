@@ -429,7 +429,7 @@ def test_short_training_run_lowers_the_loss_and_grows_from_dflash(trained_drafte
 
 
 def test_xpress_refuses_engines_that_cannot_gather_its_head(monkeypatch):
-    from dflash_train.training.trainer import check_heads_engine
+    from dflash_train.training.setup import check_heads_engine
 
     monkeypatch.delenv("FSDP_RESHARD_AFTER_FORWARD", raising=False)
     with pytest.raises(UserError, match="fsdp_dspark.yaml"):

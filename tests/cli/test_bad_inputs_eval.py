@@ -21,7 +21,7 @@ from dflash_train.core.outputs import MARKER
 from dflash_train.cli import eval as dflash_eval, export
 from dflash_train.evaluation import costs, run as eval_run
 from dflash_train.model import target as target_mod
-from test_export import fake_report
+from helpers.reports import fake_report
 
 
 def drafter_with(src, dst, edit):

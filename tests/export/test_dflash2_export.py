@@ -14,7 +14,7 @@ from dflash_train.cli.export import main
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
 from dflash_train.model.target import target_forward
 from dflash_train.model.variants import dflash2
-from test_dflash2 import dflash2_config, randomize
+from helpers.dflash2 import dflash2_config, randomize
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ from safetensors.torch import load_file, save_file
 
 from conftest import TINY_TARGET, error_line, run_main
 from draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
-from test_export import speculators_block_logits
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.cli.export import main
 from dflash_train.model.drafter import ContextCache
 from dflash_train.model.target import target_forward
+from helpers.dflash import speculators_block_logits
 
 V = 1024
 

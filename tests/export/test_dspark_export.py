@@ -14,7 +14,7 @@ from conftest import TINY_TARGET
 from fetch_vllm import DEST
 from dflash_train.checkpoint.folders import load_drafter, save_drafter
 from dflash_train.cli.export import main
-from test_dspark import random_dspark, speculators_block_logits, our_block_logits
+from helpers.dspark import our_block_logits, random_dspark, speculators_block_logits
 
 # vLLM 0.33's speculators config conversion, from tests/fetch_vllm.py's copy (DFLASH_VLLM_SRC);
 # algos.py imports nothing, so it loads standalone

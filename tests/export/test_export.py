@@ -19,23 +19,8 @@ from dflash_train.cli.export import main
 from dflash_train.core.outputs import MARKER
 from dflash_train.model.drafter import ContextCache
 from dflash_train.model.target import target_forward
-
-
-
-def fake_report(fingerprint, device_type="cpu", device="Some CPU", tau64=5.1234):
-    """A dflash-eval report.json of the drafter with this fingerprint (block 8, the bundled target)."""
-    rows = [{"suite": "tinychat", "method": m, "budget": b, "temperature": 0.0, "max_new_tokens": 64,
-             "prompts": 8, "tau": t, "lossless": True, "speedup": x, "speedup_interval": iv}
-            for m, b, t, x, iv in [("ar", 0, 1.0, 1.0, [1.0, 1.0]), ("dflash", 7, 3.4567, 1.5, [1.4, 1.6]),
-                                   ("ddtree", 64, tau64, 1.9, [1.8, 2.05])]]
-    hw = {"device": device, "device_type": device_type, "torch": "2.x"}
-    if device_type == "cuda":
-        hw.update(cuda="12.8", driver="570.1")
-    best = {"best": {"method": "ddtree", "budget": 64}, "speedup": 1.9, "interval": [1.8, 2.05],
-            "recommended": {"method": "ddtree", "budget": 64}, "indistinguishable": []}
-    return {"target": str(TINY_TARGET), "target_revision": None, "block_size": 8,
-            "drafter_fingerprint": fingerprint, "hardware": hw, "results": rows,
-            "advice": {"tinychat": {"measured": best, "concurrency": {"1": best}}}}
+from helpers.dflash import speculators_block_logits
+from helpers.reports import fake_report
 
 
 @pytest.fixture(scope="module")
@@ -78,22 +63,6 @@ def test_speculators_loader_gives_the_same_draft_logits(exports, trained_drafter
     our_logits = tiny_target.lm_head(ours.forward_cached(tiny_target.embed(block),
                                                          torch.arange(a, a + B)[None], cache))
     torch.testing.assert_close(spec_logits, our_logits, rtol=1e-5, atol=1e-5)
-
-
-def speculators_block_logits(spec, target, ids: torch.Tensor, a: int, B: int):
-    """speculators' own DFlash model drafting the block [ids[a], MASK x (B-1)] after ids[:a]
-    -> (its logits [1, B, V or N], the block ids [1, B])."""
-    # speculators indexes hidden_states by its own aux ids directly (no +1)
-    out = target.model.get_decoder()(input_ids=ids[:, :a], output_hidden_states=True)
-    spec_taps = torch.cat([out.hidden_states[i] for i in spec.config.aux_hidden_state_layer_ids], -1)
-    block = torch.full((1, B), spec.config.mask_token_id)
-    block[0, 0] = ids[0, a]
-    ctx = spec.hidden_norm(spec.fc(spec_taps))
-    x = spec.embed_tokens(block)
-    pos_emb = spec.rotary_emb(x, torch.arange(a + B)[None])
-    for layer in spec.layers:
-        x = layer(target_hidden=ctx, hidden_states=x, attention_mask=None, position_embeddings=pos_emb)
-    return spec.lm_head(spec.norm(x)), block
 
 
 def test_native_export_converts_to_the_speculators_export(exports, tmp_path):

@@ -15,7 +15,7 @@ from dflash_train.cli.export import main as export_main
 from dflash_train.core.outputs import MARKER
 from dflash_train.export.writer import round_to_bf16
 from dflash_train.model import target as target_module
-from test_export import fake_report
+from helpers.reports import fake_report
 
 HUB_ID = "tiny-org/tiny-target"
 

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from conftest import TINY_TARGET
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.cli.export import main
-from test_xpress import our_blocks, speculators_forward
+from helpers.xpress import our_blocks, speculators_forward
 
 REFINER = {f"refiner_head.{k}" for k in ("token_embed.weight", "down_h.weight", "down_g.weight",
                                          "in_proj.weight", "mix_l", "mlp_gate.weight", "mlp_up.weight",

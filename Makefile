@@ -33,7 +33,7 @@ demo: install
 	$(VENV)/bin/dflash-export --format dflash --checkpoint runs/demo/final \
 		--eval-report runs/demo/eval/report.json --output export/out/demo-dflash --overwrite
 
-# vLLM's own config conversion checks the exports (tests/vllm_reference.py); best effort: without
+# vLLM's own config conversion checks the exports (tests/helpers/vllm_reference.py); best effort: without
 # network the fetch fails and those tests skip with a reason.
 # Two pytest workers (pytest-xdist), whole files each so module fixtures are built once: this
 # machine's two cores; TEST_WORKERS=0 runs in one process.

@@ -7,7 +7,7 @@ import torch
 import dflash_train.decoding.decode as decode_module
 import dflash_train.decoding.proposers as proposers
 from conftest import chat_prompt
-from draft_vocab_run import draft_vocab_run
+from helpers.draft_vocab_run import draft_vocab_run
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.decoding.ddtree import build_tree

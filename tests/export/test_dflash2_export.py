@@ -108,12 +108,12 @@ def test_export_round_trip_is_exact(exported, drafter_dir):
 
 @pytest.mark.parametrize("attention", ["bidirectional", "causal"])
 def test_vllm_reads_the_export_as_dflash2(attention, drafter_dir, tiny_target, tmp_path):
-    """vLLM 0.33's own conversion (tests/vllm_reference.py): DFlash2DraftModel served as method dflash
+    """vLLM 0.33's own conversion (tests/helpers/vllm_reference.py): DFlash2DraftModel served as method dflash
     with B-1 tokens, our taps, the convolution and selector fields, and every draft layer with the
     in-block attention the drafter was trained with."""
     import dataclasses
 
-    from vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
+    from helpers.vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
 
     drafter, _ = load_drafter(drafter_dir)
     source = drafter_dir

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import TINY_TARGET, error_line, run_main
-from draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
+from helpers.draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.cli.export import main
 from dflash_train.model.drafter import ContextCache
@@ -102,7 +102,7 @@ def vllm_compute_logits(hidden, lm_head, d2t, draft_vocab_size, vocab_size):
 
 @torch.no_grad()
 def test_vllm_reads_the_draft_vocabulary(exports, tiny_target):
-    from vllm_reference import speculators_conversion, vllm_draft_config
+    from helpers.vllm_reference import speculators_conversion, vllm_draft_config
 
     config = vllm_draft_config(exports / "fp32")
     assert config.draft_vocab_size == DRAFT_VOCAB and config.vocab_size == V

@@ -120,9 +120,9 @@ def test_vllm_config_conversion_reads_the_export(exported, trained_dspark):
 
 
 def test_vllm_serves_the_export_as_method_dspark(exported, trained_dspark):
-    """vLLM 0.33's whole SpeculatorsConfig path (tests/vllm_reference.py): method dspark with B-1
+    """vLLM 0.33's whole SpeculatorsConfig path (tests/helpers/vllm_reference.py): method dspark with B-1
     tokens, Qwen3DSparkModel, and every draft layer with the in-block attention it was trained with."""
-    from vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
+    from helpers.vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
 
     ours = load_drafter(trained_dspark / "final")[0].config
     pre, spec = speculators_conversion(exported)

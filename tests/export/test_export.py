@@ -325,7 +325,7 @@ def causal_drafter_dir(trained_drafter_dir, tiny_target, tmp_path_factory):
 def test_vllm_derives_the_trained_model(fmt, attention, trained_drafter_dir, causal_drafter_dir, tmp_path):
     """vLLM 0.33's own code, run on the export: every draft layer gets the in-block attention the
     drafter was trained with, and the taps, mask token, block size and method are ours."""
-    from vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
+    from helpers.vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
 
     source = causal_drafter_dir if attention == "causal" else trained_drafter_dir
     main(["--format", fmt, "--checkpoint", str(source), "--output", str(tmp_path / "o")])

@@ -107,7 +107,7 @@ def test_decoding_is_lossless(run_dir, tied_target_dir, method, budget):
 
 @pytest.mark.parametrize("fmt", ["speculators", "dflash"])
 def test_export_reads_right_in_vllm(fmt, run_dir, tied_target_dir, tmp_path):
-    from vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
+    from helpers.vllm_reference import speculators_conversion, vllm_draft_config, vllm_layer_causal
 
     out = tmp_path / "o"
     export_main(["--format", fmt, "--checkpoint", str(run_dir / "final"), "--output", str(out)])

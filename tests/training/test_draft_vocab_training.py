@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 import dflash_train.cli.cache as cache_cli
 from conftest import TINY_TARGET, error_line, run_main
-from draft_vocab_run import DRAFT_VOCAB, draft_vocab_run, reference_vocab, run_args
+from helpers.draft_vocab_run import DRAFT_VOCAB, draft_vocab_run, reference_vocab, run_args
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.cli.train import main
 

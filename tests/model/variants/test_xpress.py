@@ -441,7 +441,7 @@ def test_eval_and_training_import_speculators_xpress(tiny_target, tmp_path, smal
 def xpress_draft_vocab(tmp_path_factory, small_data):
     """An XPress drafter grown (model.init_from) from a DFlash drafter with a 128-token draft vocabulary,
     trained a few steps: the vocabulary kept, the readout over it."""
-    from draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
+    from helpers.draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
     from dflash_train.cli.train import main as train_main
 
     dflash, _ = draft_vocab_run(tmp_path_factory, small_data)

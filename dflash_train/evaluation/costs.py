@@ -22,7 +22,6 @@ read by read_device_costs and checked against DeviceCosts: every time finite and
 and more work never measured much cheaper than less (MAX_DROP).
 """
 
-import json
 import time
 from pathlib import Path
 from typing import Annotated
@@ -31,8 +30,7 @@ import torch
 from pydantic import Field, model_validator
 from transformers import DynamicCache
 
-from dflash_train.core.errors import UserError
-from dflash_train.core.schema import Open, validated
+from dflash_train.core.schema import Open, load_json, validated
 from dflash_train.decoding.ddtree import build_tree, root_only_tree
 from dflash_train.decoding.decode import choose, verify
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
@@ -116,10 +114,7 @@ def read_device_costs(path: str | None) -> dict | None:
     if path is None:
         return None
     where = f"--verify-times '{path}' is not a costs JSON from benchmarks/gpu_costs.py"
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{where} ({type(e).__name__})") from None
+    data = load_json(Path(path), where)
     validated(DeviceCosts, data, where)
     return data
 
@@ -151,8 +146,8 @@ def widths_for(widest: int) -> tuple[list[int], list[int]]:
     return [w for w in VERIFY_WIDTHS if w <= top], sorted({w for w in CONTEXT_WIDTHS if w < top} | {top})
 
 
-def prefill(target: Target, drafter: DFlashDrafter, prompt: torch.Tensor,
-            batches: list[int]) -> tuple[DynamicCache, dict[int, ContextCache]]:
+def prompt_caches(target: Target, drafter: DFlashDrafter, prompt: torch.Tensor,
+                  batches: list[int]) -> tuple[DynamicCache, dict[int, ContextCache]]:
     """The target's KV cache after `prompt` [1, P], and for each batch size c the drafter's context
     cache of c requests after it (c copies of the prompt's taps)."""
     device, context = target.embed.weight.device, prompt.shape[1]
@@ -193,7 +188,7 @@ def measure_costs(target: Target, drafter: DFlashDrafter, context: int, batches:
     V, L = target.model.config.vocab_size, drafter.config.block_size - 1
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, V, (1, context), generator=g).to(device)
-    cache, ctxs = prefill(target, drafter, prompt, batches)
+    cache, ctxs = prompt_caches(target, drafter, prompt, batches)
     logits = torch.randn(L, V, generator=g)
     trees = {w: root_only_tree() if w == 1 else build_tree(logits, w - 1) for w in widths}
     bonus = int(prompt[0, -1])

@@ -11,8 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from pydantic import Field, model_validator  # noqa: E402
 
-from dflash_train.core.errors import UserError  # noqa: E402
-from dflash_train.core.schema import Open, validated  # noqa: E402
+from dflash_train.core.schema import Open, load_json, validated  # noqa: E402
 from dflash_train.evaluation.loops import MIN_LOOP_TOKENS, MIN_REPEATS  # noqa: E402
 from dflash_train.evaluation.speed import verdict_text  # noqa: E402
 
@@ -94,10 +93,7 @@ class EvalReport(Open):
 def read_report(path: str) -> dict:
     """A report.json written by dflash-eval, checked against EvalReport (one line naming the field)."""
     where = f"eval report '{path}'"
-    try:
-        report = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"{where} is not a readable dflash-eval report.json ({type(e).__name__})") from None
+    report = load_json(Path(path), f"{where} is not a readable dflash-eval report.json")
     validated(EvalReport, report, where)
     return report
 

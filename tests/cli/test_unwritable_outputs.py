@@ -6,7 +6,7 @@ PermissionError traceback after the work."""
 import pytest
 
 from conftest import ROOT, TINY_TARGET, error_line, run_main
-from dflash_train.cli import cache, eval as dflash_eval, export, prepare
+from dflash_train.cli import cache, eval as dflash_eval, export, locked_main, prepare
 
 TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
 COMMANDS = {
@@ -83,7 +83,7 @@ def test_a_lock_file_that_cannot_be_removed_after_the_work_is_a_warning_and_exit
     out, lock = tmp_path / "out", tmp_path / ".out.lock"
     real_unlink = os.unlink
 
-    def work(args, argv):  # the eval's work, done; then the folder turns read-only (as root chmod would not
+    def work(settings):  # the eval's work, done; then the folder turns read-only (as root chmod would not
         def read_only(path, *a, **k):  # stop an unlink: refuse it here instead)
             if str(path) == str(lock):
                 raise PermissionError(13, "Permission denied", str(path))
@@ -91,8 +91,9 @@ def test_a_lock_file_that_cannot_be_removed_after_the_work_is_a_warning_and_exit
 
         monkeypatch.setattr(os, "unlink", read_only)
 
-    monkeypatch.setattr(dflash_eval, "run", work)
-    code, _, stderr = run_main(dflash_eval.main, ["--drafter", "d", "--output", out])
+    # dflash-eval's main as cli/eval.py builds it, with the work replaced (main binds run when built)
+    main = locked_main(dflash_eval.parse_args, work)
+    code, _, stderr = run_main(main, ["--drafter", "d", "--output", out])
     assert code == 0 and stderr.splitlines() == [
         f"warning: --output '{out}': the lock file '{lock}' could not be removed (Permission denied); it is "
         "harmless (the lock ends with this process) and the next run reuses it"], stderr

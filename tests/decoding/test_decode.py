@@ -8,6 +8,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import chat_prompt
+from helpers.marginals import next_two_marginals
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.data.engine import pick
@@ -116,16 +117,7 @@ def test_sampling_follows_the_target_distribution():
                                           target_layer_ids=[1], num_target_layers=4)).eval()
     prompt = torch.tensor([[3, 5, 7]])
 
-    with torch.no_grad():  # exact marginals of tokens 2 and 3 by enumeration
-        p1 = torch.softmax(model(prompt).logits[0, -1].double(), -1)
-        p2, p3 = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
-        for a in range(V):
-            pa = (p1[a] * torch.softmax(model(torch.cat([prompt, torch.tensor([[a]])],
-                                                        1)).logits[0, -1].double(), -1))
-            p2 += pa
-            for b in range(V):
-                seq = torch.cat([prompt, torch.tensor([[a, b]])], 1)
-                p3 += pa[b] * torch.softmax(model(seq).logits[0, -1].double(), -1)
+    p2, p3 = next_two_marginals(model, prompt, V)  # exact, by enumeration
 
     gen = torch.Generator().manual_seed(0)
     N = 1500

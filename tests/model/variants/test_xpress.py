@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import TINY_TARGET, chat_prompt, error_line, run_main
+from helpers.marginals import next_two_marginals
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.checkpoint.formats import speculators_config
 from dflash_train.core.errors import UserError
@@ -258,16 +259,7 @@ def test_sampling_follows_the_target_distribution(method):
     follow the target's own distribution (exact marginals by enumeration, chi-square at p > 1e-3)."""
     target, drafter = tiny_random_target_and_xpress()
     V, model, prompt = 12, target.model, torch.tensor([[3, 5, 7]])
-    with torch.no_grad():
-        p1 = torch.softmax(model(prompt).logits[0, -1].double(), -1)
-        p2, p3 = torch.zeros(V, dtype=torch.float64), torch.zeros(V, dtype=torch.float64)
-        for a in range(V):
-            pa = (p1[a] * torch.softmax(model(torch.cat([prompt, torch.tensor([[a]])],
-                                                        1)).logits[0, -1].double(), -1))
-            p2 += pa
-            for b in range(V):
-                seq = torch.cat([prompt, torch.tensor([[a, b]])], 1)
-                p3 += pa[b] * torch.softmax(model(seq).logits[0, -1].double(), -1)
+    p2, p3 = next_two_marginals(model, prompt, V)  # exact, by enumeration
     gen = torch.Generator().manual_seed(0)
     N = 800
     c2, c3 = torch.zeros(V), torch.zeros(V)

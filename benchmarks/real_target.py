@@ -148,7 +148,7 @@ class Bench:
 
     # -- data
     def fetch(self):
-        run([sys.executable, "-m", "dflash_train.data.real_target", "--dest", str(self.real)],
+        run([sys.executable, "-m", "dflash_train.cli.real_target", "--dest", str(self.real)],
             self.logs / "fetch.log")
 
     def select(self):

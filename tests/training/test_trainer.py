@@ -289,23 +289,6 @@ def test_a_bad_recipe_value_under_each_launcher_is_our_line_once_and_first(launc
     assert r.returncode == 1 and not (tmp_path / "o").exists()
 
 
-def test_an_error_only_another_local_rank_meets_is_still_said(monkeypatch, capsys):
-    """Local rank 0 says the error every process meets. Another rank waits first (so the launcher,
-    stopping it once rank 0 exits, cannot cut rank 0 off), then says its own: one only it met."""
-    from dflash_train.core import errors
-
-    waited = []
-    monkeypatch.setattr(errors.time, "sleep", waited.append)
-    fail = errors.cli_guard(lambda: (_ for _ in ()).throw(errors.UserError("shard 3 is empty")))
-    for rank, wait in [("0", []), ("1", [errors.OTHER_RANKS_WAIT_S])]:
-        monkeypatch.setenv("LOCAL_RANK", rank)
-        waited.clear()
-        with pytest.raises(SystemExit) as e:
-            fail()
-        assert e.value.code == 2 and waited == wait
-        assert capsys.readouterr().err == "error: shard 3 is empty\n"
-
-
 def test_non_default_objective_trains_and_reports_every_term(tmp_path, small_data):
     """KL + NLA with uniform slot weights (and TV at weight 0: reported, not trained): the loss
     falls, every record carries each term (the loss is their weighted sum) and alpha per slot,

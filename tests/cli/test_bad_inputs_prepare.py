@@ -9,13 +9,12 @@ import json
 import pytest
 import torch
 
-from conftest import ROOT, TINY_TARGET, error_line
+from conftest import ROOT, TINY_TARGET
 from dflash_train.cli import prepare
 from dflash_train.core.outputs import MARKER
 from dflash_train.data import regenerate as regen
 from dflash_train.data.prepare import fit_positions
-
-TINY_DATA = ROOT / "data" / "tiny" / "train.jsonl"
+from helpers.prepare_cli import argv, refused, rows
 
 
 @pytest.fixture(autouse=True)
@@ -24,24 +23,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def rows(path, n=4):
-    path.write_text("".join(TINY_DATA.read_text().splitlines(keepends=True)[:n]))
-    return path
-
-
-def argv(src, out, *extra):
-    return ["--input", str(src), "--format", "messages", "--target", str(TINY_TARGET), "--output", str(out),
-            "--regenerate", "--max-new-tokens", "8", "--batch-size", "2", "--min-supervised-tokens", "1",
-            "--keep-truncated", *extra]
-
-
-def refused(capsys, args) -> str:
-    with pytest.raises(SystemExit) as e:
-        prepare.main(args)
-    assert e.value.code == 2
-    return error_line(capsys.readouterr().err)
 
 
 def tree(folder):
@@ -189,33 +170,7 @@ def test_a_line_cut_by_an_interruption_is_answered_again(tmp_path, capsys, monke
     assert info["regeneration"]["stats"]["resumed"] == 2 and info["counts"]["read"] == 4
 
 
-# --- numeric options bounded; the target's dtype in the resume key (issue 30) --------------------
-@pytest.mark.parametrize("extra, says", [
-    (["--temperature", "inf"], "--temperature must be a number from 0 (greedy) to 2"),
-    (["--temperature", "nan"], "--temperature must be a number from 0 (greedy) to 2"),
-    (["--temperature", "-0.5"], "--temperature must be a number from 0 (greedy) to 2"),
-    (["--temperature", "2.5"], "--temperature must be a number from 0 (greedy) to 2"),
-    (["--top-p", "nan"], "--top-p in (0, 1]"),
-    (["--val-fraction", "nan"], "--val-fraction must be in (0, 1)"),
-    (["--val-fraction", "inf"], "--val-fraction must be in (0, 1)"),
-    (["--seed", "-1"], "--seed must be from 0 to 2**32 - 1"),
-    (["--seed", str(2**64)], "--seed must be from 0 to 2**32 - 1"),
-    (["--max-length", "16", "--min-supervised-tokens", "17"], "every conversation would be dropped"),
-    (["--backend", "vllm", "--target-dtype", "fp32"],
-     "--target-dtype applies to the transformers and static"),
-    (["--batch-size", "5000"], "--batch-size must be at most 4096 (conversations generated together), got "
-                               "5000"),
-    (["--max-length", "513"], f"--max-length 513 is past the 512 positions of target '{TINY_TARGET}' (its "
-                              "max_position_embeddings): give at most 512"),
-    (["--max-new-tokens", "100000"], "--max-new-tokens 100000 is past the 512 positions of target"),
-    (["--min-supervised-tokens", "600"], "--min-supervised-tokens 600 is more than --max-length 512"),
-])
-def test_numeric_options_out_of_range_are_one_line(tmp_path, capsys, extra, says):
-    out = tmp_path / "out"
-    line = refused(capsys, argv(rows(tmp_path / "in.jsonl"), out, *extra))
-    assert says in line and not out.exists() and not (tmp_path / "out.work").exists()
-
-
+# --- default lengths; the target's dtype in the resume key (issue 30; bounds: test_prepare_cli.py) --
 def test_default_lengths_are_lowered_to_the_targets_positions(tmp_path):
     """--max-length (3072) and --max-new-tokens (2048) by default: the tiny target has 512 positions."""
     out = tmp_path / "out"
@@ -258,30 +213,3 @@ def test_a_data_folder_as_target_is_named_in_one_line(tmp_path, capsys):
                             str(ROOT / "data" / "tiny"), "--output", str(tmp_path / "out")])
     assert "is not a model folder: it has no config.json and no tokenizer" in line
     assert not (tmp_path / "out").exists()
-
-
-# --- a device this torch cannot use: one line before anything loads (issue 42) -------------------
-@pytest.mark.parametrize("backend", ["transformers", "static"])
-@pytest.mark.parametrize("device, says", [
-    ("cuda", "--device cuda: "), ("cuda:3", "--device cuda:3: "), ("gpu", "--device 'gpu' is not a device"),
-    ("meta", "--device 'meta': use auto, cpu, cuda or cuda:N"),
-])
-def test_a_device_torch_cannot_use_is_one_line(tmp_path, capsys, monkeypatch, backend, device, says):
-    """On a CPU build of torch --device cuda was a traceback once the target had loaded (AssertionError:
-    Torch not compiled with CUDA enabled), for both backends; the static engine is the CPU's alone."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine's torch, wherever it runs
-    out = tmp_path / "out"
-    line = refused(capsys, argv(rows(tmp_path / "in.jsonl"), out, "--device", device, "--backend", backend))
-    assert says in line and not out.exists() and not (tmp_path / "out.work").exists()
-    if backend == "static" and device.startswith("cuda"):
-        assert "--backend static runs on the CPU" in line
-    elif device.startswith("cuda"):
-        assert "sees no CUDA device" in line
-
-
-def test_static_backend_on_auto_runs_on_the_cpu_beside_a_gpu(tmp_path, monkeypatch):
-    """--device auto picked cuda beside a GPU, which the static engine then refused after loading."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    out = tmp_path / "out"
-    prepare.main(argv(rows(tmp_path / "in.jsonl"), out, "--backend", "static"))
-    assert json.loads((out / "prepare_info.json").read_text())["regeneration"]["backend"] == "static"

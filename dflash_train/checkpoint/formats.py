@@ -57,8 +57,8 @@ def check_sizes(vocab: int, mask_id: int, taps: list[int], layers: int | None, t
 
 
 def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
-    """A draft vocabulary is 2..V tokens, and only plain DFlash and XPress draft in one (DSpark's Markov
-    bias and DFlash2's selector are [V, r] tables over the full vocabulary)."""
+    """A draft vocabulary is 2..V tokens, for the variants that draft in one (Variant.draft_vocab: not
+    DFlash2, whose selector's codebook is a [V, r] table over the full vocabulary)."""
     if size is None:
         return
     if not 2 <= size < vocab:  # N = V is written as no draft vocabulary (null)

@@ -85,8 +85,8 @@ class ModelConfig(Section):
     # Draft vocabulary (dflash_train/model/vocab.py): the drafter predicts over the N tokens most often
     # supervised in data.train (the stop tokens always among them) through the target's rows of them,
     # frozen; exported as speculators' lm_head / d2t / t2d. null = the target's whole vocabulary.
-    # variants dflash and xpress (its readout over it); DSpark's and DFlash2's [V, r] tables span the full
-    # vocabulary.
+    # Not DFlash2 (its selector's [V, r] codebook spans the full vocabulary; speculators refuses one);
+    # DSpark's W2 and XPress's readout are [N, r] over it.
     draft_vocab_size: int | None = Field(None, ge=2)
 
 
@@ -222,13 +222,17 @@ class RunConfig(Section):
                                                  or (m.variant == "dspark" and m.markov_rank > 0)):
             raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank "
                              f"> 0, or dflash2); model.variant={m.variant} has none")
+        if self.tree_distill.weight > 0 and m.draft_vocab_size is not None:
+            raise ValueError("tree_distill scores nodes over the full vocabulary: it does not run with "
+                             "model.draft_vocab_size; set one of them off")
         if m.init_layers_from_target and m.init_from is not None:
             raise ValueError("model.init_layers_from_target and model.init_from both give the drafter's "
                              "layers: choose one")
         if m.draft_vocab_size is not None and not VARIANTS[m.variant].draft_vocab:
-            raise ValueError(f"model.draft_vocab_size is for variants dflash and xpress: model.variant="
-                             f"{m.variant} drafts over the full vocabulary (its Markov / "
-                             "selector tables span it); leave draft_vocab_size null")
+            takers = ", ".join(name for name, v in VARIANTS.items() if v.draft_vocab)
+            raise ValueError(f"model.draft_vocab_size is for variants {takers}: model.variant={m.variant} "
+                             "drafts over the full vocabulary (its selector's codebook spans it); leave "
+                             "draft_vocab_size null")
         if self.tree_distill.weight > 0 and self.tree_distill.every > self.max_steps:
             raise ValueError(f"tree_distill.every={self.tree_distill.every} is past "
                              f"max_steps={self.max_steps}: no step would ever distil (lower every, or set "

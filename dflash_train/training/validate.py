@@ -2,13 +2,10 @@
 teacher-forced DDTree tau at the recipe's budgets, with fixed anchors, summed over processes."""
 
 import torch
-from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.model.loss import acceptance_counts, acceptance_metrics, loss_divisor
-from dflash_train.model.variants.dflash2 import CandidateSelector, SelectorScorer
-from dflash_train.model.variants.dspark import MarkovHead, MarkovScorer
 from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, confidence_counts, ddtree_acceptance,
                                           draw_anchors)
 from dflash_train.training.config import RunConfig
@@ -114,25 +111,9 @@ def validation_result(totals: torch.Tensor, cfg: RunConfig, confidence: bool) ->
 
 def cpu_tree_scorer(model):
     """For validation's path-conditioned trees: (block hidden [B, H], bonus, before=None) -> the block's
-    scorer, over a CPU float32 copy of DSpark's Markov head or DFlash2's selector (gathered from its shards
-    under FSDP, so every process calls this), or the variant's own (XPress's refiner); None for DFlash."""
-    own = model.variant.cpu_tree_scorer(model)
-    if own is not None:
-        return own
-    head = model.markov_head if model.markov_head is not None else model.candidate_selector
-    if head is None:
-        return None
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
-             for k, v in head.state_dict().items()}
-    c = model.config
-    if model.markov_head is not None:
-        copy, scorer = MarkovHead(c.vocab_size, head.rank, c.hidden_size, head.head_type), MarkovScorer
-    else:
-        copy, scorer = (CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k),
-                        SelectorScorer)
-    copy.load_state_dict(state)
-    copy.eval()
-    return lambda hidden, bonus, before=None: scorer(copy, hidden, bonus)  # before: XPress's only
+    scorer over a CPU float32 copy of the variant's head (gathered from its shards under FSDP, so every
+    process calls this; Variant.cpu_tree_scorer); None for the marginal tree."""
+    return model.variant.cpu_tree_scorer(model)
 
 
 def validation_record(val: dict) -> dict:

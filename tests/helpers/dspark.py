@@ -58,7 +58,8 @@ def speculators_block_logits(spec, target, ids, anchors, monkeypatch):
 
 
 def our_block_logits(drafter, target, ids, anchors):
-    """Our training forward + teacher-forced heads -> logits [A, B-1, V], confidence [A, B-1]."""
+    """Our training forward + teacher-forced heads -> logits [A, B-1, N] (N: the draft vocabulary, or V),
+    confidence [A, B-1]."""
     cfg = drafter.config
     A, Bs = anchors.shape[0], cfg.block_size
     taps, _ = target_forward(target, ids, torch.ones_like(ids), cfg.target_layer_ids)
@@ -69,5 +70,6 @@ def our_block_logits(drafter, target, ids, anchors):
     hidden = hidden.view(1, A, Bs, -1)
     true_tokens = ids[0, anchors[:, None] + torch.arange(Bs)][None]  # [1, A, B]
     u, conf = dspark.teacher_forced(drafter, hidden, true_tokens)
-    logits = dspark.markov_logits(target.lm_head, drafter.markov_head, hidden[:, :, 1:], u)
+    head = drafter.logits_head(target.lm_head)
+    logits = dspark.markov_logits(head, drafter.markov_head, hidden[:, :, 1:], u)
     return logits[0], None if conf is None else conf[0]

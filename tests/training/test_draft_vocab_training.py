@@ -110,6 +110,33 @@ def test_init_from_keeps_its_vocabulary_on_other_data(run, small_data, tmp_path)
     code, _, stderr = run_main(main, [f"output_dir={tmp_path / 'ft2'}",
                                       *(a for a in argv[1:] if "draft_vocab" not in a)])
     assert code == 2 and "draft_vocab_size 128 but the recipe gives None" in error_line(stderr)
+    code, _, stderr = run_main(main, [f"output_dir={tmp_path / 'ft3'}", *argv[1:],
+                                      "model.variant=dspark", "model.markov_rank=8"])
+    assert code == 0, stderr[-3000:]  # DSpark keeps it: W2 over it
+    assert load_drafter(tmp_path / "ft3" / "final")[0].markov_head.markov_w2.weight.shape == (DRAFT_VOCAB, 8)
+
+
+def test_dflash2_grows_from_a_draft_vocabulary_drafter_on_the_whole_vocabulary(run, small_data, tmp_path,
+                                                                                 tiny_target):
+    """DFlash2 has no draft vocabulary: model.init_from a drafter with one keeps its backbone, drops its
+    head and maps (said in one line) and drafts over the target's whole head."""
+    out, _ = run
+    code, stdout, stderr = run_main(main, [
+        f"output_dir={tmp_path / 'd2'}", f"model.init_from={out / 'final'}", "model.num_layers=1",
+        "model.variant=dflash2", "model.selector_rank=8", "max_steps=1", "train.lr=1e-12",
+        "train.batch_size=4", "data.num_anchors=4", "eval.max_samples=2",
+        f"data.train={small_data / 'val.jsonl'}", f"data.val={small_data / 'val.jsonl'}"])
+    assert code == 0, stderr[-3000:]
+    assert f"its {DRAFT_VOCAB}-token draft vocabulary is dropped" in stdout
+    start = load_file(out / "final" / "model.safetensors")
+    end_drafter = load_drafter(tmp_path / "d2" / "final")[0]
+    end = end_drafter.state_dict()
+    assert end_drafter.config.draft_vocab_size is None and end_drafter.lm_head is None
+    assert not {"d2t", "t2d", "lm_head.weight"} & set(end)
+    for k, v in start.items():
+        if k not in ("d2t", "t2d", "lm_head.weight"):
+            torch.testing.assert_close(end[k], v, rtol=0, atol=1e-8, msg=k)
+    assert end_drafter.logits_head(tiny_target.lm_head) is tiny_target.lm_head
     assert not (tmp_path / "ft1").exists() and not (tmp_path / "ft2").exists()
 
 
@@ -117,10 +144,10 @@ def test_init_from_keeps_its_vocabulary_on_other_data(run, small_data, tmp_path)
     (["model.draft_vocab_size=1"], "'model.draft_vocab_size': Input should be greater than or "
                                    "equal to 2 (got 1)"),
     ([f"model.draft_vocab_size={V + 1}"], f"model.draft_vocab_size {V + 1} must be in 2..{V - 1}"),
-    (["model.draft_vocab_size=64", "model.variant=dspark", "model.markov_rank=8"],
-     "model.draft_vocab_size is for variants dflash and xpress: model.variant=dspark"),
+    (["model.draft_vocab_size=64", "model.variant=dspark", "model.markov_rank=8", "tree_distill.weight=0.5"],
+     "tree_distill scores nodes over the full vocabulary: it does not run with model.draft_vocab_size"),
     (["model.draft_vocab_size=64", "model.variant=dflash2"],
-     "model.draft_vocab_size is for variants dflash and xpress: model.variant=dflash2"),
+     "model.draft_vocab_size is for variants dflash, dspark, xpress: model.variant=dflash2"),
 ])
 def test_bad_draft_vocab_sizes_are_one_line_exit_2(extra, message, small_data, tmp_path):
     out = tmp_path / "o"

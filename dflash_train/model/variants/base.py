@@ -34,6 +34,30 @@ class ChainDraft:
     passes: int | None = None  # XPress: the Jacobi passes run (None: not an iterative chain)
 
 
+def kept_ids(drafter) -> torch.Tensor | None:
+    """[N] the target id of each draft index (speculators' d2v: i + d2t[i]); None: the full vocabulary."""
+    return (None if drafter.lm_head is None
+            else drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device))
+
+
+def w2_rows(drafter) -> torch.Tensor | None:
+    """[V] the draft index of each target id (0 outside the draft vocabulary, whose logits are -inf: the
+    row of a [N, r] table over draft space that a [.., V] logit column reads), on the CPU; None: the
+    full vocabulary."""
+    return None if drafter.lm_head is None else (drafter.t2d.long().cumsum(0) - 1).clamp(min=0).cpu()
+
+
+def cpu_copy(module: nn.Module, copy: nn.Module) -> nn.Module:
+    """`copy` (a fresh module of module's shape) loaded with module's weights as CPU float32, in eval mode;
+    under FSDP the shards are gathered, so every process calls it (validation's tree scorers)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
+             for k, v in module.state_dict().items()}
+    copy.load_state_dict(state)
+    return copy.eval()
+
+
 class Variant:
     name = "dflash"
     display_name = "DFlash"  # the model card's name for it
@@ -44,8 +68,8 @@ class Variant:
     # modules it then adds fresh (DFlash2's convolutions too, at the identity: they are checked apart)
     grows_from: tuple[str, ...] = ()
     grown: tuple[str, ...] = ()
-    # whether it can draft in a draft vocabulary (model/vocab.py): DSpark's Markov bias and DFlash2's
-    # selector are [V, r] tables over the full vocabulary
+    # whether it can draft in a draft vocabulary (model/vocab.py); DFlash2 cannot: its selector's
+    # successor codebook is a [V, r] table over the full vocabulary, and speculators refuses one
     draft_vocab = True
     # why the native DFlash format (z-lab's config.json) cannot hold this drafter; None: it can
     native_refusal: str | None = None
@@ -91,8 +115,8 @@ class Variant:
 
     def cpu_tree_scorer(self, model):
         """Validation's path-conditioned trees: (block hidden [B, H], bonus, before) -> scorer over a CPU
-        float32 copy of the variant's head (every process calls it: FSDP gathers); None: validate.py's
-        (DSpark's, DFlash2's) or the marginal tree."""
+        float32 copy of the variant's head (every process calls it: FSDP gathers; base.cpu_copy); None: the
+        marginal tree."""
         return None
 
     def bias_weight(self, model) -> torch.Tensor | None:

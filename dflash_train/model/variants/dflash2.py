@@ -31,7 +31,7 @@ from torch import nn
 
 from dflash_train.core.errors import UserError
 from dflash_train.model.loss import slot_weights, until_first_failure
-from dflash_train.model.variants.base import ChainDraft, Variant
+from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy
 
 # speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
 SPECULATORS_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
@@ -313,6 +313,13 @@ class DFlash2(Variant):
 
     def scorer(self, drafter, hidden, bonus, before=None):
         return SelectorScorer(drafter.candidate_selector, hidden, bonus)
+
+    def cpu_tree_scorer(self, model):
+        """SelectorScorer over a CPU float32 copy of the selector (validation's trees)."""
+        c = model.config
+        copy = cpu_copy(model.candidate_selector,
+                        CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k))
+        return lambda hidden, bonus, before=None: SelectorScorer(copy, hidden, bonus)
 
     def conv(self, config) -> tuple[int, int, int]:
         return config.block_size, config.conv_kernel_size, config.conv_group_size

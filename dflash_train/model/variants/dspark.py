@@ -6,12 +6,15 @@ acceptance rate. With h_k the backbone's final hidden state of slot k and x_{k-1
 slot k-1 (for slot 1: the bonus token; slot 0 is the bonus token itself and its own previous
 token is taken to be the bonus token too, as speculators does with `sample_from_anchor: false`):
 
-    logits_k = lm_head(h_k) + W2 u_k                 W1 [V, r] embedding, W2 [V, r] (Linear r -> V)
+    logits_k = lm_head(h_k) + W2 u_k                 W1 [V, r] embedding, W2 [N, r] (Linear r -> N)
     vanilla: u_k = W1[x_{k-1}]
     gated:   u_k = sigmoid(G [h_k ; W1[x_{k-1}]] + g) * W1[x_{k-1}]
     rnn:     [a ; c ; o] = J [s_{k-1} ; W1[x_{k-1}] ; h_k] + j      s_{-1} = 0, the state runs from slot 0
              s_k = sigmoid(a) * s_{k-1} + (1 - sigmoid(a)) * tanh(c),   u_k = tanh(o)
     confidence_k = sigmoid(P [h_k ; W1[x_{k-1}]] + p)   (or P h_k + p without the Markov input)
+
+W1 reads target ids (the verifier's vocabulary V); W2 and the logits span the drafter's draft vocabulary
+(N = draft_vocab_size, speculators' layout) or the whole vocabulary (N = V).
 
 Training feeds the true previous tokens (teacher forcing); decoding feeds back the drafted ones
 (`markov_chain`, as vLLM's DSpark runtime drafts), and the draft tree feeds each node's own path
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.core.errors import UserError
-from dflash_train.model.variants.base import ChainDraft, Variant
+from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy, kept_ids, w2_rows
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
 # Candidate tokens per depth that the draft tree applies the Markov bias to (see MarkovScorer).
@@ -33,14 +36,15 @@ TREE_CANDIDATES = 256
 
 
 class MarkovHead(nn.Module):
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int, head_type: str):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, head_type: str,
+                 draft_vocab_size: int | None = None):
         super().__init__()
         if rank <= 0 or head_type not in HEAD_TYPES:
             raise ValueError(f"MarkovHead needs rank > 0 and a type in {HEAD_TYPES}, got {rank}, "
                              f"{head_type!r}")
         self.head_type, self.rank = head_type, rank
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size or vocab_size, bias=False)  # over draft space
         self.gate_proj = nn.Linear(hidden_size + rank, rank) if head_type == "gated" else None
         self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank) if head_type == "rnn" else None
         nn.init.normal_(self.markov_w1.weight, std=0.01)  # speculators' init: a small bias to start from
@@ -100,7 +104,7 @@ def dspark_heads(config) -> tuple[MarkovHead | None, ConfidenceHead | None]:
     markov = None
     if config.markov_rank > 0:
         markov = MarkovHead(config.vocab_size, config.markov_rank, config.hidden_size,
-                            config.markov_head_type)
+                            config.markov_head_type, config.draft_vocab_size)
     if config.confidence_head_with_markov and markov is None:
         raise ValueError("confidence_head_with_markov needs markov_rank > 0")
     confidence = None
@@ -140,11 +144,13 @@ def markov_logits(lm_head, markov_head: MarkovHead | None, hidden: torch.Tensor,
 
 
 @torch.no_grad()
-def markov_chain(drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus: int):
+def markov_chain(drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus: int,
+                 kept: torch.Tensor | None = None):
     """The greedy DSpark chain, drafted as vLLM's runtime does: slot k's logits are the backbone's
-    plus the Markov bias of the token drafted at slot k-1 (slot 1: the bonus token), over the full
-    vocabulary; its argmax is fed to slot k+1. hidden [B, H], base_logits [B-1, V] ->
-    (tokens [B-1] long, logits [B-1, V] with the bias, confidence logits [B-1] or None)."""
+    plus the Markov bias of the token drafted at slot k-1 (slot 1: the bonus token); its argmax is fed
+    to slot k+1. hidden [B, H], base_logits [B-1, N] over the draft vocabulary (kept [N]: the target id
+    of each index, which W1 reads) or N = V (kept None) -> (tokens [B-1] long in the logits' indices,
+    logits [B-1, N] with the bias, confidence logits [B-1] or None)."""
     head, conf_head = drafter.markov_head, drafter.confidence_head
     B = hidden.shape[0]
     prev = torch.tensor(bonus, device=hidden.device)
@@ -158,8 +164,9 @@ def markov_chain(drafter, hidden: torch.Tensor, base_logits: torch.Tensor, bonus
             emb = head.markov_w1(prev)
             u, state = head.step(state, emb, hidden[k])
             logits[k - 1] += head.markov_w2(u)
-        prev = logits[k - 1].argmax()
-        tokens.append(prev)
+        drafted = logits[k - 1].argmax()
+        tokens.append(drafted)
+        prev = drafted if kept is None else kept[drafted]
         if conf_head is not None:
             confidence.append(conf_head(hidden[k], emb))
     return torch.stack(tokens), logits, (torch.stack(confidence) if confidence else None)
@@ -187,11 +194,18 @@ class MarkovScorer:
     Cost: one top-M and one logsumexp over [L, V] (as the plain tree's top-K and normaliser), then
     per expanded node an [M, r] mat-vec and a sort of M values (numpy, float32), with the W1 / W2
     rows of a depth's candidates gathered when a node there is first expanded.
+
+    With a draft vocabulary (V above reads N) either the logits are [L, N] in draft space (`kept`: [N]
+    the target id of each column; the nodes carry target ids, so build_tree then takes no token_ids),
+    or [L, V] scattered with -inf outside it (`w2_row`: [V] the W2 row of each target id, validation's
+    trees).
     """
 
-    def __init__(self, head: MarkovHead, hidden: torch.Tensor, bonus: int, candidates: int = TREE_CANDIDATES):
+    def __init__(self, head: MarkovHead, hidden: torch.Tensor, bonus: int, candidates: int = TREE_CANDIDATES,
+                 kept: torch.Tensor | None = None, w2_row: torch.Tensor | None = None):
         """hidden [B, H]: the backbone's final hidden states of the block (slot 0 = the bonus token)."""
         self.head, self.hidden, self.bonus, self.candidates = head, hidden, bonus, candidates
+        self.kept, self.w2_row = kept, w2_row
 
     @torch.no_grad()
     def expander(self, draft_logits: torch.Tensor, K: int):
@@ -201,7 +215,8 @@ class MarkovScorer:
         The [L, V] work runs on draft_logits' device, the per-node work on float32 numpy arrays."""
         head, V = self.head, draft_logits.shape[-1]
         M, K = min(self.candidates, V), min(K, self.candidates, V)
-        cands = _Candidates(draft_logits, M, head)
+        cands = _Candidates(draft_logits, M, head.markov_w1.weight, head.markov_w2.weight, self.kept,
+                            self.w2_row)
         step = _MarkovStep(head, self.hidden)
         bonus_emb = _rows(head.markov_w1.weight.detach(), [self.bonus])[0]  # [r]
 
@@ -226,23 +241,30 @@ def _rows(w: torch.Tensor, index) -> np.ndarray:
 
 
 class _Candidates:
-    """MarkovScorer's per-depth candidates: the backbone's top-M tokens of each depth (best first) and
-    their logits, the non-candidates' log-mass, and the W1 / W2 rows of a depth's candidates, gathered
-    when a node there is first expanded."""
+    """The per-depth candidates of a path-conditioned scorer (MarkovScorer, xpress.XPressScorer): the
+    backbone's top-M columns of each depth (best first) and their logits, the non-candidates' log-mass,
+    and the rows of a depth's candidates in w1 [V, r] (read by target id) and w2 [N, r] (by column),
+    gathered when a node there is first expanded. kept [N]: each column's target id (draft-space
+    logits); w2_row [V]: each column's w2 row (logits over V with a draft vocabulary)."""
 
-    def __init__(self, draft_logits: torch.Tensor, M: int, head: MarkovHead):
+    def __init__(self, draft_logits: torch.Tensor, M: int, w1: torch.Tensor, w2: torch.Tensor,
+                 kept: torch.Tensor | None = None, w2_row: torch.Tensor | None = None):
         logits = draft_logits.float()
         L, V = logits.shape
-        vals, ids = torch.topk(logits, M, dim=-1)  # [L, M] each depth's candidates, best first
+        vals, cols = torch.topk(logits, M, dim=-1)  # [L, M] each depth's candidates, best first
         lse = torch.logsumexp(logits, dim=-1)  # [L]
-        self.vals, self.ids, lse = vals.cpu().numpy(), ids.cpu().numpy(), lse.cpu().numpy().astype(np.float64)
+        self.vals, self.cols = vals.cpu().numpy(), cols.cpu().numpy()
+        lse = lse.cpu().numpy().astype(np.float64)
+        # the nodes' tokens (target ids) and the w2 row of each candidate column
+        self.ids = self.cols if kept is None else kept.cpu().numpy()[self.cols]
+        self.w2_rows = self.cols if w2_row is None else w2_row.cpu().numpy()[self.cols]
         if M < V:  # log-mass of the non-candidates (they keep their backbone logits)
             cand_mass = np.exp(self.vals.astype(np.float64) - lse[:, None]).sum(-1)  # [L]
             with np.errstate(divide="ignore"):
                 self.rest = (lse + np.log(np.maximum(1.0 - cand_mass, 0.0))).astype(np.float32)
         else:
             self.rest = np.full(L, -np.inf, dtype=np.float32)
-        self.w1_full, self.w2_full = head.markov_w1.weight.detach(), head.markov_w2.weight.detach()
+        self.w1_full, self.w2_full = w1.detach(), w2.detach()
         self.w1: dict[int, tuple[np.ndarray, dict]] = {}  # depth -> (its candidates' W1 [M, r], token -> row)
         self.w2: dict[int, np.ndarray] = {}  # depth -> W2 of its candidates [M, r]
 
@@ -257,7 +279,7 @@ class _Candidates:
     def w2_of(self, depth: int) -> np.ndarray:
         """W2 of the candidates of the children of a node at `depth` [M, r]."""
         if depth not in self.w2:
-            self.w2[depth] = _rows(self.w2_full, self.ids[depth])
+            self.w2[depth] = _rows(self.w2_full, self.w2_rows[depth])
         return self.w2[depth]
 
 
@@ -309,21 +331,34 @@ class DSpark(Variant):
     recipe_fields = ("markov_rank", "markov_head_type", "confidence_head")
     grows_from = ("dflash",)
     grown = ("markov_head.", "confidence_head.")
-    draft_vocab = False
+    # a draft vocabulary: W2 is [N, r] over it (speculators'), W1 stays [V, r] (it reads target ids)
     heads_outside_forward = True  # the heads run after the backbone, W2 inside the loss
     native_refusal = ("the native DFlash format has no Markov or confidence head: export a DSpark drafter "
                       "with --format speculators (served by vLLM as method dspark)")
 
     def chain(self, drafter, hidden, base_logits, bonus, before=None) -> ChainDraft:
         """Each slot biased by the token drafted before it (`markov_chain`), and the confidence logits."""
-        tokens, _, confidence = markov_chain(drafter, hidden, base_logits, bonus)
+        tokens, _, confidence = markov_chain(drafter, hidden, base_logits, bonus, kept_ids(drafter))
         return ChainDraft(tokens, confidence)
 
     def states_confidence(self, drafter) -> bool:
         return drafter.confidence_head is not None
 
     def scorer(self, drafter, hidden, bonus, before=None):
-        return None if drafter.markov_head is None else MarkovScorer(drafter.markov_head, hidden, bonus)
+        if drafter.markov_head is None:
+            return None
+        return MarkovScorer(drafter.markov_head, hidden, bonus, kept=kept_ids(drafter))
+
+    def cpu_tree_scorer(self, model):
+        """MarkovScorer over a CPU float32 copy of the Markov head (validation's logits are [.., V], -inf
+        outside a draft vocabulary: w2_row maps a target id to its W2 row)."""
+        if model.markov_head is None:
+            return None
+        c = model.config
+        copy = cpu_copy(model.markov_head, MarkovHead(c.vocab_size, c.markov_rank, c.hidden_size,
+                                                      c.markov_head_type, c.draft_vocab_size))
+        row = w2_rows(model)
+        return lambda hidden, bonus, before=None: MarkovScorer(copy, hidden, bonus, w2_row=row)
 
     def add_modules(self, drafter, config) -> None:
         drafter.markov_head, drafter.confidence_head = dspark_heads(config)
@@ -356,10 +391,6 @@ class DSpark(Variant):
         with_markov = confidence and bool(config.get("confidence_head_with_markov", True))
         if with_markov and rank <= 0:
             raise UserError("DSpark config has confidence_head_with_markov true but markov_rank 0")
-        vocab, size = config["transformer_layer_config"]["vocab_size"], config.get("draft_vocab_size")
-        if size is not None and size < vocab:  # above the vocabulary: refused for every variant (formats.py)
-            raise UserError(f"DSpark config has draft_vocab_size {size} < {vocab}: dflash-train's DSpark "
-                            "drafts over the full vocabulary")
         return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type,
                 "confidence_head": confidence, "confidence_head_with_markov": with_markov}
 

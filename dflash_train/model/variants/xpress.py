@@ -29,15 +29,13 @@ mlp_gate, mlp_up, mlp_down, readout}`; `causal_tril` is not saved), so an export
 XPressDraftModel as it is. vLLM's PR reads other names (xpress_head.*): see the model card.
 """
 
-from types import SimpleNamespace
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.core.errors import UserError
-from dflash_train.model.variants.base import ChainDraft, Variant
+from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy, kept_ids, w2_rows
 from dflash_train.model.variants.dspark import TREE_CANDIDATES, _Candidates, _rows
 
 # speculators' defaults (models/xpress/config.py)
@@ -107,12 +105,6 @@ def teacher_forced(drafter, block_hidden: torch.Tensor, block_tokens: torch.Tens
     return y[:, 1:].reshape(b, A, B - 1, -1), hcache
 
 
-def kept_ids(drafter) -> torch.Tensor | None:
-    """[N] the target id of each draft index (speculators' d2v: i + d2t[i]); None: the full vocabulary."""
-    return (None if drafter.lm_head is None
-            else drafter.d2t + torch.arange(len(drafter.d2t), device=drafter.d2t.device))
-
-
 @torch.no_grad()
 def refined_logits(head: RefinerHead, hcache: torch.Tensor, base_logits: torch.Tensor, prev: torch.Tensor):
     """One refine pass of one block: hcache [1, B, 2r], base_logits [B-1, N], prev [B] (target ids) ->
@@ -172,32 +164,22 @@ class XPressScorer:
         ddtree.best_first."""
         head, V = self.head, draft_logits.shape[-1]
         M, K = min(self.candidates, V), min(K, self.candidates, V)
-        # token_embed rows of a depth's candidates, looked up by target id (W1's role in _Candidates)
-        embed = SimpleNamespace(weight=head.token_embed.weight.detach())
-        cands = _Candidates(draft_logits, M, SimpleNamespace(markov_w1=embed, markov_w2=head.readout))
-        cols, readout = cands.ids, {}  # [L, M] each depth's candidate columns; depth -> their readout rows
-        if self.kept is not None:  # columns -> target ids: the nodes' tokens and the embedding rows
-            cands.ids = self.kept.cpu().numpy()[cols]
+        # token_embed and readout play W1's and W2's parts: rows by target id, and by column
+        embed = head.token_embed.weight.detach()
+        cands = _Candidates(draft_logits, M, embed, head.readout.weight, self.kept, self.readout_row)
         step = _RefineStep(head, self.hidden)
 
-        def readout_of(depth: int) -> np.ndarray:
-            if depth not in readout:
-                rows = (cols[depth] if self.readout_row is None
-                        else self.readout_row.cpu().numpy()[cols[depth]])
-                readout[depth] = _rows(head.readout.weight.detach(), rows)
-            return readout[depth]
-
         def expand(token: int, carry, depth: int):
-            e = _rows(embed.weight, [token])[0] if depth == 0 else cands.w1_of(depth, token)
+            e = _rows(embed, [token])[0] if depth == 0 else cands.w1_of(depth, token)
             y, child_carry = step(e, carry, depth + 1)
-            z = cands.vals[depth] + readout_of(depth) @ y  # [M] the candidates' refined logits
+            z = cands.vals[depth] + cands.w2_of(depth) @ y  # [M] the candidates' refined logits
             peak = z.max()
             log_norm = np.logaddexp(cands.rest[depth], peak + np.log(np.exp(z - peak).sum()))
             order = np.argsort(-z, kind="stable")[:K]  # ties: the better backbone rank first
             return (z[order] - log_norm).tolist(), cands.ids[depth, order].tolist(), child_carry
 
         # a_0: slot 0 after the token before it
-        root_carry = step.first(_rows(embed.weight, [self.before])[0])
+        root_carry = step.first(_rows(embed, [self.before])[0])
         return expand, self.bonus, root_carry
 
 
@@ -267,16 +249,11 @@ class XPress(Variant):
     def cpu_tree_scorer(self, model):
         """XPressScorer over a CPU float32 copy of the refiner (validation's logits are [.., V], -inf outside
         a draft vocabulary: readout_row maps a target id to its readout row; outside ids stay at -inf)."""
-        from torch.distributed.tensor import DTensor
-
-        state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", torch.float32)
-                 for k, v in model.refiner_head.state_dict().items()}
         c = model.config
-        copy = RefinerHead(c.vocab_size, c.hidden_size, c.block_size, c.xpress_rank, c.xpress_mlp_ratio,
-                           c.draft_vocab_size)
-        copy.load_state_dict(state)
-        copy.eval()
-        row = None if model.lm_head is None else (model.t2d.long().cumsum(0) - 1).clamp(min=0).cpu()
+        fresh = RefinerHead(c.vocab_size, c.hidden_size, c.block_size, c.xpress_rank, c.xpress_mlp_ratio,
+                            c.draft_vocab_size)
+        copy = cpu_copy(model.refiner_head, fresh)
+        row = w2_rows(model)
         return lambda hidden, bonus, before: XPressScorer(copy, hidden, bonus, before, readout_row=row)
 
     def extra_terms(self, cfg) -> list[str]:

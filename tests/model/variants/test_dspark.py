@@ -214,7 +214,8 @@ def test_chain_confidence_calibration_counts(tiny_target, trained_backbone):
 
 # --- checkpoints written by speculators -----------------------------------------------------------
 
-def speculators_written_dspark(folder, target, head_type, sample_from_anchor=False, with_markov=True):
+def speculators_written_dspark(folder, target, head_type, sample_from_anchor=False, with_markov=True,
+                               draft_vocab_size=None):
     """A DSpark checkpoint made by speculators' own classes (as its trainer saves it)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dspark import DSparkDraftModel, DSparkSpeculatorConfig
@@ -224,7 +225,7 @@ def speculators_written_dspark(folder, target, head_type, sample_from_anchor=Fal
     layer = ours.qwen3_config()
     layer._attn_implementation = "sdpa"  # flex attention is for training on GPU
     config = DSparkSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=ours.vocab_size, block_size=B,
+        transformer_layer_config=layer, draft_vocab_size=draft_vocab_size or ours.vocab_size, block_size=B,
         target_hidden_size=ours.hidden_size,
         aux_hidden_state_layer_ids=[k + 1 for k in ours.target_layer_ids], mask_token_id=ours.mask_token_id,
         sample_from_anchor=sample_from_anchor, markov_rank=12, markov_head_type=head_type,
@@ -239,23 +240,36 @@ def speculators_written_dspark(folder, target, head_type, sample_from_anchor=Fal
         for name, p in model.named_parameters():
             if not name.startswith(("embed_tokens", "lm_head", "verifier_")):
                 p.normal_(0, 0.2 if p.ndim > 1 else 1.0)
+    if draft_vocab_size:  # N random tokens: t2d marks them, draft index i is target id i + d2t[i]
+        kept = torch.randperm(ours.vocab_size)[:draft_vocab_size].sort().values
+        t2d = torch.zeros(ours.vocab_size, dtype=torch.bool)
+        t2d[kept] = True
+        model.load_vocab_mappings(t2d, kept - torch.arange(draft_vocab_size))
     model.load_verifier_weights()
     model.save_pretrained(str(folder))
     return model
 
 
-@pytest.mark.parametrize("head_type, with_markov", [("vanilla", True), ("gated", True), ("rnn", False)])
+@pytest.mark.parametrize("head_type, with_markov, draft_vocab_size",
+                         [("vanilla", True, None), ("gated", True, None), ("rnn", False, None),
+                          ("vanilla", True, 500), ("rnn", True, 500)])
 @torch.no_grad()
-def test_speculators_written_checkpoint_is_read(tiny_target, tmp_path, head_type, with_markov, monkeypatch):
+def test_speculators_written_checkpoint_is_read(tiny_target, tmp_path, head_type, with_markov,
+                                                draft_vocab_size, monkeypatch):
+    """A speculators-written DSpark folder (full vocabulary, or a draft vocabulary of 500 random tokens:
+    W2 [N, r] over it, lm_head / d2t / t2d) gives speculators' Markov-corrected logits."""
     pytest.importorskip("speculators.models.dspark")
-    spec = speculators_written_dspark(tmp_path / "spec", tiny_target, head_type, with_markov=with_markov)
+    spec = speculators_written_dspark(tmp_path / "spec", tiny_target, head_type, with_markov=with_markov,
+                                      draft_vocab_size=draft_vocab_size)
     drafter, meta = load_drafter(tmp_path / "spec")
     drafter.eval()
     c = drafter.config
     assert meta["format"] == "speculators" and meta["target"]["name_or_path"] == str(TINY_TARGET)
     assert (c.variant, c.markov_rank, c.markov_head_type, c.confidence_head,
-            c.confidence_head_with_markov) == (
-        "dspark", 12, head_type, True, with_markov)
+            c.confidence_head_with_markov, c.draft_vocab_size) == (
+        "dspark", 12, head_type, True, with_markov, draft_vocab_size)
+    if draft_vocab_size:
+        assert torch.equal(drafter.t2d, spec.t2d) and drafter.markov_head.markov_w2.weight.shape == (500, 12)
     spec.eval()
     ids = torch.randint(0, 1000, (1, 26))
     anchors = torch.tensor([1, 8, 19])
@@ -324,3 +338,142 @@ def test_dspark_recipe_starts_from_a_dflash_drafter(trained_drafter_dir, tmp_pat
     assert end.config.variant == "dspark" and end.markov_head is not None and end.confidence_head is not None
     for k, v in start.state_dict().items():
         torch.testing.assert_close(end.state_dict()[k], v, rtol=0, atol=1e-8)
+
+
+# --- a draft vocabulary --------------------------------------------------------------------------------
+
+RANK = 12
+
+
+@pytest.fixture(scope="module")
+def dspark_draft_vocab(tmp_path_factory, small_data):
+    """A DSpark drafter grown (model.init_from) from a DFlash drafter with a 128-token draft vocabulary,
+    trained a few steps: the vocabulary kept, W2 over it."""
+    from helpers.draft_vocab_run import DRAFT_VOCAB, draft_vocab_run
+    from dflash_train.cli.train import main as train_main
+
+    dflash, _ = draft_vocab_run(tmp_path_factory, small_data)
+    out = tmp_path_factory.mktemp("dspark-vocab") / "run"
+    train_main([f"output_dir={out}", f"model.init_from={dflash / 'final'}", "model.variant=dspark",
+                f"model.markov_rank={RANK}", "model.markov_head_type=rnn",
+                f"model.draft_vocab_size={DRAFT_VOCAB}", "model.num_layers=1", "max_steps=6", "train.lr=3e-3",
+                "train.batch_size=8", "data.num_anchors=16", "log_every=1", "eval.every=0",
+                "eval.max_samples=4", "eval.ddtree_budgets=[4, 16]",
+                "checkpoint_every=0", "loss.terms={ce: 0.1, tv: 0.9}",
+                f"data.train={small_data / 'train.jsonl'}", f"data.val={small_data / 'val.jsonl'}"])
+    return dflash / "final", out
+
+
+def biased(drafter):
+    """The drafter with a Markov bias of a few logits, so that it changes the drafts."""
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.normal_(0, 1.0)
+        drafter.markov_head.markov_w1.weight.normal_(0, 1.0)
+    return drafter
+
+
+def test_draft_vocabulary_run_keeps_the_vocabulary_and_lowers_the_loss(dspark_draft_vocab):
+    import json
+
+    dflash_dir, out = dspark_draft_vocab
+    start, end = load_drafter(dflash_dir)[0], load_drafter(out / "final")[0]
+    assert end.config.draft_vocab_size == 128 and torch.equal(end.t2d, start.t2d)
+    assert end.markov_head.markov_w2.weight.shape == (128, RANK)
+    assert end.markov_head.markov_w1.weight.shape[0] == end.config.vocab_size  # W1 reads target ids
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "step" in r and "loss" in r]
+    assert losses[-1] < losses[0], losses
+    assert set(records[-1]["val_ddtree_tau"]) == {"4", "16"}  # validation's path-conditioned trees ran
+
+
+@torch.no_grad()
+def test_draft_vocabulary_chain_is_teacher_forcing_on_its_own_tokens(tiny_target, dspark_draft_vocab):
+    """In draft space the chain feeds each drafted index back as its target id: given the chain's tokens
+    (mapped to target ids) as the block, teacher forcing computes the same [B-1, N] logits."""
+    drafter = biased(load_drafter(dspark_draft_vocab[1] / "final")[0].eval())
+    cfg = drafter.config
+    ids = torch.randint(0, 1000, (1, 17))
+    taps, _ = target_forward(tiny_target, ids, torch.ones_like(ids), cfg.target_layer_ids)
+    ctx = ContextCache(cfg.num_hidden_layers)
+    drafter.extend_context(ctx, taps, torch.arange(17)[None])
+    bonus = 77
+    hidden = draft_hidden(drafter, tiny_target, ctx, bonus, 17)
+    base = drafter.lm_head(hidden[1:])  # [B-1, N]
+    tokens, logits, conf = dspark.markov_chain(drafter, hidden, base, bonus, dspark.kept_ids(drafter))
+    assert logits.shape == (cfg.block_size - 1, 128) and torch.equal(tokens, logits.argmax(-1))
+    block = torch.cat([torch.tensor([bonus]), drafter.to_target_ids(tokens)])[None, None]
+    u, forced_conf = dspark.teacher_forced(drafter, hidden[None, None], block)
+    forced = dspark.markov_logits(drafter.lm_head, drafter.markov_head, hidden[None, None, 1:], u)
+    torch.testing.assert_close(logits, forced[0, 0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conf, forced_conf[0, 0], rtol=1e-5, atol=1e-5)
+    # fed back as draft indices instead (the bug this guards), W1 would read other rows
+    wrong = torch.cat([torch.tensor([bonus]), tokens])[None, None]
+    assert not torch.allclose(dspark.teacher_forced(drafter, hidden[None, None], wrong)[0], u)
+
+
+@pytest.mark.parametrize("method, budget", [("dflash", 0), ("ddtree", 8), ("ddtree", 48)])
+def test_draft_vocabulary_decoding_is_lossless_and_stays_in_it(tiny_target, dspark_draft_vocab, monkeypatch,
+                                                                method, budget):
+    import dflash_train.decoding.decode as decode_module
+
+    drafter = biased(load_drafter(dspark_draft_vocab[1] / "final")[0].eval())
+    trees, real = [], decode_module.verify
+    monkeypatch.setattr(decode_module, "verify", lambda target, cache, tree, *a: trees.append(tree)
+                        or real(target, cache, tree, *a))
+    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
+    for q in QUESTIONS[:3]:
+        ids = chat_prompt(tiny_target.tokenizer, q)
+        ar = decode(tiny_target, None, ids, "ar", max_new_tokens=40, stop_ids=stops)
+        trees.clear()
+        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=40, stop_ids=stops)
+        assert r.tokens == ar.tokens, q
+        for tree in trees:
+            assert bool(drafter.t2d[tree.tokens].all()) and bool(torch.isfinite(tree.log_probs).all())
+
+
+@torch.no_grad()
+def test_validation_trees_are_the_decoding_trees(tiny_target, dspark_draft_vocab):
+    """validate.cpu_tree_scorer (a CPU copy of the Markov head, on validation's [.., V] logits, -inf outside
+    the draft vocabulary) builds the tree decoding builds in draft space, with and without a vocabulary."""
+    from dflash_train.decoding.ddtree import build_tree
+    from dflash_train.training.validate import cpu_tree_scorer
+
+    drafters = [random_dspark(tiny_target, "rnn", seed=8),
+                biased(load_drafter(dspark_draft_vocab[1] / "final")[0].eval())]
+    for drafter in drafters:
+        torch.manual_seed(2)
+        hidden = torch.randn(drafter.config.block_size, drafter.config.hidden_size)
+        bonus = 21
+        full = drafter.full_logits(hidden[1:], tiny_target.lm_head)  # validation's [B-1, V]
+        draft = drafter.logits_head(tiny_target.lm_head)(hidden[1:])  # decoding's [B-1, N]
+        validation = build_tree(full, 24, cpu_tree_scorer(drafter)(hidden, bonus))
+        decoding = build_tree(draft, 24, drafter.variant.scorer(drafter, hidden, bonus))
+        assert validation.tokens.tolist() == decoding.tokens.tolist()
+        assert validation.parents.tolist() == decoding.parents.tolist()
+        torch.testing.assert_close(validation.log_probs, decoding.log_probs, rtol=1e-4, atol=1e-4)
+        assert build_tree(full, 24).tokens.tolist() != validation.tokens.tolist()  # the bias changed it
+
+
+@torch.no_grad()
+def test_draft_vocabulary_export_loads_in_speculators(tiny_target, dspark_draft_vocab, tmp_path, monkeypatch):
+    """The Speculators export (lm_head / d2t / t2d, W2 [N, r]) loads in speculators' DSparkDraftModel with
+    our Markov-corrected draft-space logits and confidence."""
+    from speculators import SpeculatorModel
+    from speculators.models.dspark import DSparkSpeculatorConfig
+    from dflash_train.cli.export import main as export_main
+
+    final = dspark_draft_vocab[1] / "final"
+    export_main(["--format", "speculators", "--checkpoint", str(final), "--output", str(tmp_path / "spec")])
+    config = DSparkSpeculatorConfig.from_pretrained(str(tmp_path / "spec"))
+    config.transformer_layer_config._attn_implementation = "sdpa"
+    spec = SpeculatorModel.from_pretrained(str(tmp_path / "spec"), config=config,
+                                           verifier=str(TINY_TARGET)).eval()
+    ours = load_drafter(final)[0].eval()
+    assert spec.draft_vocab_size == 128 and torch.equal(spec.t2d, ours.t2d)
+    ids = torch.randint(0, 1000, (1, 28))
+    anchors = torch.tensor([4, 11, 18])
+    spec_logits, spec_conf = speculators_block_logits(spec, tiny_target, ids, anchors, monkeypatch)
+    logits, conf = our_block_logits(ours, tiny_target, ids, anchors)
+    assert logits.shape[-1] == 128
+    torch.testing.assert_close(logits, spec_logits[:, 1:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(conf, spec_conf[:, 1:], rtol=1e-5, atol=1e-5)

@@ -2,11 +2,14 @@
 # Issue 44: every variant on SmolLM2 at equal CPU time, from the committed drafter's backbone.
 # Stages skip what is done, so a killed run continues: run it again.
 #   bash benchmarks/variants_smollm2.sh data       # the prepared corpus and its hidden-state cache (~56 min, 1 thread)
-#   bash benchmarks/variants_smollm2.sh calibrate  # 20 steps of each arm, both at once (one thread each): s/step
+#   bash benchmarks/variants_smollm2.sh calibrate  # 20 steps of each arm, side by side (one thread each): s/step
 #   bash benchmarks/variants_smollm2.sh train      # each arm for CPU_MIN (60) CPU-minutes of steps, two at once
-# Arms: DFlash continued (the control, recipes/smollm2-135m-continue.yaml) and XPress grown from the committed
-# drafter (recipes/smollm2-135m-xpress.yaml); DSpark joins once it drafts in a draft vocabulary (issue 44
-# item 3), DFlash2 with its full vocabulary.
+# Arms: DFlash continued (the control, recipes/smollm2-135m-continue.yaml) and XPress, DSpark and DFlash2
+# grown from the committed drafter (recipes/smollm2-135m-{xpress,dspark-grow,dflash2-grow}.yaml).
+# ARMS picks them (default: the first two, calibrated side by side on an otherwise idle machine). Arms
+# calibrated later, while other runs load the machine, calibrate beside a DFlash reference arm named
+# dflashref (ARMS="dspark:... dflash2:... dflashref:recipes/smollm2-135m-continue.yaml"): their s/step is
+# scaled by calib-dflash / calib-dflashref, i.e. measured against the control at the same load.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=.venv/bin
@@ -57,12 +60,14 @@ if [ "$stage" = train ]; then
   CPU_MIN=${CPU_MIN:-60}
   for arm in $ARMS; do
     name=${arm%%:*}; recipe=${arm#*:}
-    sps=$(python3 -c "import json; s = json.load(open('$OUT/calib-$name/summary.json')); \
-      print(s['train_tokens'] / s['train_tokens_per_s'] / s['steps'])")
+    sps=$(python3 -c "import json, os; f = lambda n: (lambda s: s['train_tokens'] / s['train_tokens_per_s'] \
+      / s['steps'])(json.load(open(f'$OUT/calib-{n}/summary.json'))); \
+      ref = os.path.exists('$OUT/calib-dflashref/summary.json') and '$name' not in ('dflash', 'xpress'); \
+      print(f('$name') * (f('dflash') / f('dflashref') if ref else 1))")
     steps=$(python3 -c "print(int($CPU_MIN * 60 / $sps))")
     echo "$name: $sps s/step -> $steps steps for $CPU_MIN CPU-min"
     # rerun to resume: the same command continues from the newest checkpoint
-    [ -f $OUT/$name/summary.json ] || launch $name "$recipe" $steps checkpoint_every=100 > $OUT/$name.log 2>&1 &
+    [ -f $OUT/$name/summary.json ] || launch $name "$recipe" $steps checkpoint_every=100 >> $OUT/$name.log 2>&1 &
   done
   wait
 fi

@@ -104,8 +104,10 @@ def copy_target_layers(drafter: DFlashDrafter, target: Target) -> list[int]:
 
 def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     """A fresh drafter for the recipe, or the `model.init_from` one when its shape agrees.
-    A DFlash drafter may start a DSpark recipe (its backbone, with fresh DSpark heads) or a DFlash2
-    one (its weights, identity convolutions, so it computes what it computed, and a fresh selector)."""
+    A DFlash drafter may start a DSpark or XPress recipe (its backbone, with fresh heads) or a DFlash2
+    one (its weights, identity convolutions, so it computes what it computed, and a fresh selector).
+    A variant without a draft vocabulary (DFlash2) grows from a drafter with one by dropping it: its
+    frozen head (the target's rows) gives way to the target's whole head, the backbone is kept."""
     cfg = drafter_config_for(target, m)
     if m.init_from is None:
         drafter = DFlashDrafter(cfg)
@@ -120,15 +122,21 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
               ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
               ("block_attention", "block_attention"), ("variant", "variant"),
               ("draft_vocab_size", "draft_vocab_size")] + [(k, k) for k in drafter.variant.recipe_fields]
+    drop_vocab = grow and not variant.draft_vocab and loaded.draft_vocab_size is not None
     for key, field in fields:
-        if key == "variant" and grow:
+        if (key == "variant" and grow) or (key == "draft_vocab_size" and drop_vocab):
             continue
         if getattr(loaded, field) != getattr(cfg, field):
             raise UserError(f"model.init_from drafter has {field} {getattr(loaded, field)} but the recipe "
                             f"gives {getattr(cfg, field)}: set model.{key} to match")
     if grow:
         grown = DFlashDrafter(cfg)
-        missing, unexpected = grown.load_state_dict(drafter.state_dict(), strict=False)
+        state = drafter.state_dict()
+        if drop_vocab:  # the draft vocabulary's head and maps (model/vocab.py)
+            print(f"model.init_from: its {loaded.draft_vocab_size}-token draft vocabulary is dropped: a "
+                  f"{cfg.variant} drafter drafts over the target's whole vocabulary")
+            state = {k: v for k, v in state.items() if k not in ("lm_head.weight", "d2t", "t2d")}
+        missing, unexpected = grown.load_state_dict(state, strict=False)
         assert not unexpected and all(k.startswith(variant.grown) or "_conv." in k for k in missing)
         return grown
     loaded.num_target_layers = cfg.num_target_layers

@@ -196,6 +196,33 @@ def test_the_xpress_recipe_grows_from_the_committed_drafter():
     assert torch.equal(grown.t2d, dflash.t2d)
 
 
+@pytest.mark.parametrize("variant, keys", [
+    ("dspark", {("model", "variant"), ("model", "markov_rank"), ("model", "markov_head_type"),
+                ("model", "confidence_head"), ("loss", "confidence_weight")}),
+    ("dflash2", DFLASH2_KEYS | {("model", "draft_vocab_size")}),
+])
+def test_the_grow_recipes_are_the_continue_recipe_plus_their_variant(variant, keys):
+    """recipes/smollm2-135m-{dspark,dflash2}-grow.yaml, the equal-CPU arms of benchmarks/variants_smollm2.sh:
+    the control arm's recipe (the continue recipe) with only the variant's keys and the run folder changed
+    (DFlash2 without the draft vocabulary, which it drops), so the arms compare heads, not settings."""
+    cont = load_recipe(ROOT / "recipes" / "smollm2-135m-continue.yaml").model_dump()
+    grow = load_recipe(ROOT / "recipes" / f"smollm2-135m-{variant}-grow.yaml").model_dump()
+    assert grow["model"]["variant"] == variant and grow["output_dir"] == f"runs/smollm2-135m-{variant}-grow"
+    assert grow["model"]["draft_vocab_size"] == (None if variant == "dflash2" else 16384)
+    for section, values in cont.items():
+        if isinstance(values, dict):
+            for k, v in values.items():
+                if (section, k) not in keys:
+                    assert grow[section][k] == v, (section, k)
+    m, loss = grow["model"], grow["loss"]
+    if variant == "dspark":
+        assert (m["markov_rank"], m["markov_head_type"], m["confidence_head"], loss["confidence_weight"]) == (
+            256, "vanilla", True, 1.0)
+    else:
+        assert (m["conv_kernel_size"], m["conv_group_size"], m["selector_rank"], m["selector_top_k"],
+                loss["selector_weight"]) == (2, 16, 256, 16, 1.0)
+
+
 @pytest.mark.skipif(not (ROOT / "data" / "real" / "smollm2-135m-instruct").is_dir(),
                     reason="the real target is not here (make real-target)")
 def test_the_xpress_recipe_builds_on_the_real_target():

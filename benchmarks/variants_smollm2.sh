@@ -4,6 +4,9 @@
 #   bash benchmarks/variants_smollm2.sh data       # the prepared corpus and its hidden-state cache (~56 min, 1 thread)
 #   bash benchmarks/variants_smollm2.sh calibrate  # 20 steps of each arm, side by side (one thread each): s/step
 #   bash benchmarks/variants_smollm2.sh train      # each arm for CPU_MIN (60) CPU-minutes of steps, two at once
+#   bash benchmarks/variants_smollm2.sh eval       # every trained arm: dflash-eval on MT-Bench, GSM8K, HumanEval
+#                                                  # (8 prompts x 128 tokens, fp32, T=0; T=1 for the arms in T1),
+#                                                  # two at once; then benchmarks/variants_table.py
 # Arms: DFlash continued (the control, recipes/smollm2-135m-continue.yaml) and XPress, DSpark and DFlash2
 # grown from the committed drafter (recipes/smollm2-135m-{xpress,dspark-grow,dflash2-grow}.yaml).
 # ARMS picks them (default: the first two, calibrated side by side on an otherwise idle machine). Arms
@@ -70,4 +73,27 @@ if [ "$stage" = train ]; then
     [ -f $OUT/$name/summary.json ] || launch $name "$recipe" $steps checkpoint_every=100 >> $OUT/$name.log 2>&1 &
   done
   wait
+fi
+
+if [ "$stage" = eval ]; then
+  # T=0: the chain and DDTree at T0_BUDGETS for every arm; T=1: the chain and T1_BUDGETS for the arms in T1
+  # (the committed card's budgets are 3,4,8,16,64 and 3,4,8: fewer here, four arms share two cores)
+  T0_BUDGETS=${T0_BUDGETS:-3,64}; T1_BUDGETS=${T1_BUDGETS:-3,8}; T1=${T1:-}
+  evaluate() {  # name temperature budgets
+    local out=$OUT/eval-$1-t$2
+    [ -f $out/report.json ] && return
+    $BIN/dflash-eval --drafter $OUT/$1/final --suite mtbench --suite gsm8k --suite humaneval --limit 8 \
+      --max-new-tokens 128 --budgets $3 --temperature $2 --target-dtype fp32 --output $out --overwrite \
+      > $out.log 2>&1
+  }
+  for arm in $ARMS; do
+    name=${arm%%:*}
+    [ -f $OUT/$name/summary.json ] || { echo "$name: not trained yet (no $OUT/$name/summary.json)"; continue; }
+    evaluate $name 0 $T0_BUDGETS &
+    while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
+    case " $T1 " in *" $name "*) evaluate $name 1 $T1_BUDGETS & ;; esac
+    while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
+  done
+  wait
+  $BIN/python benchmarks/variants_table.py --runs $OUT
 fi

@@ -1,0 +1,155 @@
+"""Issue 44's table: every variant on SmolLM2 at equal CPU time (benchmarks/variants_smollm2.sh), beside the
+committed DFlash drafter's card.
+
+    .venv/bin/python benchmarks/variants_table.py [--runs runs/variants]
+        [--output benchmarks/results/variants_smollm2.json]
+
+Per arm: its calibrated s/step (the train stage's, scaled to the first calibration's load), the steps it ran
+and their CPU minutes, training's held-out validation at its last step (chain EAL, DDTree@16 / @64), and its
+dflash-eval reports (`eval-<arm>-t0`, `eval-<arm>-t1`): per suite the chain's tau, DDTree's tau per budget,
+the fastest method's paired speedup over plain decoding with its 90% interval, and whether every output
+was the target's. The committed drafter's row reads its card's reports (checkpoints/smollm2-135m-dflash/
+eval_reports: report_0 at T=0, report_1 at T=1). Writes the raw rows (with each report's command, this commit
+and the machine) to --output and prints the markdown tables.
+"""
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ["dflash", "xpress", "dspark", "dflash2"]
+NAMES = {"dflash": "DFlash, continued (control)", "xpress": "XPress", "dspark": "DSpark (vanilla, conf.)",
+         "dflash2": "DFlash2 (full vocabulary)", "committed": "committed DFlash card (before)"}
+SUITES = ["mtbench", "gsm8k", "humaneval"]
+
+
+def read(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def s_per_step(runs: Path, name: str) -> float | None:
+    """As variants_smollm2.sh's train stage: the arm's calibration, scaled by dflash / dflashref when the arm
+    was calibrated beside the DFlash reference arm."""
+    def raw(n):
+        s = read(runs / f"calib-{n}" / "summary.json")
+        return None if s is None else s["train_tokens"] / s["train_tokens_per_s"] / s["steps"]
+    own = raw(name)
+    if own is None:
+        return None
+    if name not in ("dflash", "xpress") and raw("dflashref") is not None:
+        return own * raw("dflash") / raw("dflashref")
+    return own
+
+
+def suite_rows(report: dict) -> dict:
+    """suite -> chain tau, tau per DDTree budget, the fastest method and its speedup / interval, lossless."""
+    out = {}
+    for suite in SUITES:
+        rows = [r for r in report["results"] if r["suite"] == suite]
+        if not rows:
+            continue
+        spec = [r for r in rows if r["method"] != "ar"]
+        best = max(spec, key=lambda r: r["speedup"])
+        chain = next(r for r in rows if r["method"] == "dflash")
+        out[suite] = {"chain_tau": chain["tau"], "chain_passes": chain.get("jacobi_passes"),
+                      "ddtree_tau": {str(r["budget"]): r["tau"] for r in rows if r["method"] == "ddtree"},
+                      "best": f"{'chain' if best['method'] == 'dflash' else 'DDTree@' + str(best['budget'])}",
+                      "best_speedup": best["speedup"], "best_interval": best["speedup_interval"],
+                      # T=0: every output is the target's; T>0: not judged (None), the sampler's test is
+                      # tests/decoding's chi-square
+                      "lossless": all(r["lossless"] for r in rows) if report["temperature"] == 0 else None,
+                      "ar_tokens_per_s": next(r["tokens_per_s"] for r in rows if r["method"] == "ar")}
+    return out
+
+
+def arm_row(runs: Path, name: str) -> dict | None:
+    summary = read(runs / name / "summary.json")
+    if summary is None:
+        return None
+    sps = s_per_step(runs, name)
+    row = {"arm": name, "s_per_step": sps, "steps": summary["steps"],
+           "cpu_min": None if sps is None else sps * summary["steps"] / 60,
+           "val": {k: summary["eval"][k] for k in ("eal", "ddtree_tau")}}
+    for t in ("t0", "t1"):
+        rep = read(runs / f"eval-{name}-{t}" / "report.json")
+        if rep is not None:
+            row[t] = {"command": rep["command"], "budgets": rep["budgets"], "suites": suite_rows(rep),
+                      "results": rep["results"]}
+    return row
+
+
+def committed_row() -> dict:
+    folder = ROOT / "checkpoints" / "smollm2-135m-dflash" / "eval_reports"
+    row = {"arm": "committed"}
+    for t, name in (("t0", "report_0.json"), ("t1", "report_1.json")):
+        rep = read(folder / name)
+        row[t] = {"command": rep["command"], "budgets": rep["budgets"], "suites": suite_rows(rep)}
+    return row
+
+
+def fmt_best(s: dict) -> str:
+    lo, hi = s["best_interval"]
+    return f"{s['best_speedup']:.2f}x ({s['best']}, {lo:.2f}-{hi:.2f})"
+
+
+def tables(rows: list[dict]) -> str:
+    lines = ["| arm | s/step | steps (CPU-min) | val EAL / DDTree@64 | " +
+             " | ".join(f"{s} chain tau / DDTree@64 / best T=0 speedup" for s in SUITES) + " | lossless |",
+             "|---" * (5 + len(SUITES)) + "|"]
+    for r in rows:
+        head = (f"| {NAMES[r['arm']]} | {r['s_per_step']:.2f} | {r['steps']} ({r['cpu_min']:.0f}) | "
+                f"{r['val']['eal']:.2f} / {r['val']['ddtree_tau'].get('64', float('nan')):.2f} | "
+                if "steps" in r else f"| {NAMES[r['arm']]} | | | | ")
+        cells, lossless = [], True
+        for s in SUITES:
+            x = (r.get("t0") or {}).get("suites", {}).get(s)
+            if x is None:
+                cells.append("")
+                continue
+            lossless &= x["lossless"]
+            tree = x["ddtree_tau"].get("64", float("nan"))
+            cells.append(f"{x['chain_tau']:.2f} / {tree:.2f} / {fmt_best(x)}")
+        lines.append(head + " | ".join(cells) + f" | {'yes' if lossless else 'NO'} |")
+    lines += ["", "| arm (T=1) | " + " | ".join(f"{s} chain tau / best speedup" for s in SUITES) + " |",
+              "|---" * (1 + len(SUITES)) + "|"]
+    for r in rows:
+        if "t1" not in r:
+            continue
+        cells = [f"{x['chain_tau']:.2f} / {fmt_best(x)}" for x in (r["t1"]["suites"][s] for s in SUITES)]
+        lines.append(f"| {NAMES[r['arm']]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def machine() -> dict:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")),
+               platform.processor())
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform(), "threads_per_run": 1}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", default=str(ROOT / "runs" / "variants"))
+    p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "variants_smollm2.json"))
+    args = p.parse_args()
+    rows = [r for r in (arm_row(Path(args.runs), a) for a in ARMS) if r is not None] + [committed_row()]
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    Path(args.output).write_text(json.dumps(
+        {"command": "bash benchmarks/variants_smollm2.sh data && ... calibrate && ... train && ... eval; "
+                    "python benchmarks/variants_table.py",
+         "commit": commit, "machine": machine(), "rows": rows},
+        indent=1) + "\n")
+    print(tables(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""benchmarks/variants_table.py: an arm calibrated beside the DFlash reference is scaled to the first
+calibration's load, and the committed card's reports read back as the issue quotes them."""
+
+import importlib.util
+import json
+
+import pytest
+
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("variants_table", ROOT / "benchmarks" / "variants_table.py")
+table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(table)
+
+
+def calibration(runs, name, steps, seconds):
+    (runs / f"calib-{name}").mkdir(parents=True)
+    tokens = 1000 * steps  # s/step = tokens / (tokens / s) / steps
+    (runs / f"calib-{name}" / "summary.json").write_text(json.dumps(
+        {"steps": steps, "train_tokens": tokens, "train_tokens_per_s": tokens / seconds}))
+
+
+def test_arms_calibrated_under_load_are_scaled_by_the_reference(tmp_path):
+    calibration(tmp_path, "dflash", 20, 30.0)  # 1.5 s/step on an idle machine
+    calibration(tmp_path, "xpress", 20, 120.0)
+    calibration(tmp_path, "dflashref", 20, 90.0)  # the same DFlash arm under load: 4.5 s/step
+    calibration(tmp_path, "dspark", 20, 180.0)  # 9 s/step under that load -> 2x DFlash -> 3 s/step
+    assert table.s_per_step(tmp_path, "dflash") == pytest.approx(1.5)
+    assert table.s_per_step(tmp_path, "xpress") == pytest.approx(6.0)  # calibrated idle: not scaled
+    assert table.s_per_step(tmp_path, "dspark") == pytest.approx(3.0)
+    assert table.s_per_step(tmp_path, "dflash2") is None
+
+
+def test_the_committed_cards_reports_read_as_quoted():
+    """Issue 44 quotes the committed drafter: MT-Bench chain tau 1.41, DDTree@64 2.00, best T=0 speedups
+    1.14x / 1.27x / 1.13x."""
+    row = table.committed_row()
+    t0 = row["t0"]["suites"]
+    mtbench = t0["mtbench"]
+    assert round(mtbench["chain_tau"], 2) == 1.41 and round(mtbench["ddtree_tau"]["64"], 2) == 2.00
+    assert [round(t0[s]["best_speedup"], 2) for s in table.SUITES] == [1.14, 1.27, 1.13]
+    assert all(t0[s]["lossless"] for s in table.SUITES)
+    assert all(x["lossless"] is None for x in row["t1"]["suites"].values())  # T=1: not judged
+    text = table.tables([row])
+    assert "committed DFlash card" in text and "1.41 / 2.00 / 1.14x (DDTree@3, 1.11-1.26)" in text

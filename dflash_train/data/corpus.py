@@ -21,6 +21,7 @@ every chunk, so the folder is always a whole corpus that can be committed as it 
 """
 
 import gzip
+import io
 import json
 import os
 import random
@@ -149,7 +150,10 @@ def publish(out: Path, work: Path, info: dict) -> dict:
     n = len(rows)
     kept = [r for r in rows if "messages" in r]
     tmp = out / (CONVERSATIONS + ".part")
-    with gzip.open(tmp, "wt", compresslevel=9) as f:
+    # no file name and mtime 0 in the gzip header: the same rows give the same bytes (a grown corpus is
+    # reproducible and its commit diff is its rows)
+    with open(tmp, "wb") as raw, gzip.GzipFile(filename="", mode="wb", compresslevel=9, fileobj=raw,
+                                               mtime=0) as gz, io.TextIOWrapper(gz, encoding="utf-8") as f:
         for r in kept:
             f.write(json.dumps({"messages": r["messages"], "i": r["i"], "key": r["key"],
                                 "tokens": r["tokens"]}) + "\n")

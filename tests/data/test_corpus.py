@@ -55,6 +55,21 @@ def test_publish_writes_the_finished_prefix_and_a_fresh_clone_seeds_it_back(tmp_
     assert len((out / ".work" / regen.DONE_FILE).read_text().splitlines()) == 3
 
 
+def test_publishing_the_same_rows_gives_the_same_bytes(tmp_path, monkeypatch):
+    """The gzip header holds no file name or time: another folder, another clock, the same bytes."""
+    import time
+
+    written = []
+    for name, clock in [("a", 1.0e9), ("b", 2.0e9)]:
+        monkeypatch.setattr(time, "time", lambda clock=clock: clock)
+        out = tmp_path / name
+        out.mkdir()
+        fake_work(out / ".work")
+        corpus.publish(out, out / ".work", {"generation": {"temperature": 0.0}})
+        written.append((out / corpus.CONVERSATIONS).read_bytes())
+    assert written[0] == written[1] and gzip.decompress(written[0]).count(b"\n") == 2
+
+
 def test_a_folder_that_is_not_a_corpus_is_refused_untouched(tmp_path):
     out = tmp_path / "notes"
     out.mkdir()

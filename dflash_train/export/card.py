@@ -14,7 +14,6 @@ from dflash_train.core.paths import is_hub_id, resolve_input
 from dflash_train.evaluation.report import dtype_label, plural
 from dflash_train.evaluation.speed import verdict_text
 from dflash_train.model.variants import VARIANTS
-from dflash_train.model.variants.dspark import TREE_CANDIDATES
 
 TEMPLATE = Path(__file__).with_name("model_card_template.md")  # package data (pyproject.toml)
 HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -148,17 +147,19 @@ def distill_text(td: dict, distilled: dict | None) -> str:
             f"{how}.")
 
 
+def recipe_variant(m: dict):
+    """The variant of a recipe's model section (one written before variants names none: plain DFlash)."""
+    return VARIANTS[m.get("variant", "dflash")]
+
+
 def choice_text(r: dict, choice: dict | None, distilled: dict | None = None) -> str:
-    """The budget the drafter was trained and chosen for, and its tree distillation, for the card."""
-    lines, trained = [], recipe_trained_for(r)
+    """The budget the drafter was trained and chosen for, its tree distillation and how the variant's
+    heads were trained, for the card."""
+    lines, trained, m = [], recipe_trained_for(r), r.get("model") or {}
     td, budget = trained["tree_distill"], trained["deploy_budget"]
     if td:
         lines.append(distill_text(td, distilled))
-    if (r.get("model") or {}).get("markov_w1_embed"):
-        lines.append("The Markov head's W1 was trained as a table plus the verifier's input embedding times "
-                     "a learned [H, r] map, folded into the table every step (model.markov_w1_embed), so "
-                     "tokens seldom seen before a slot (a tree's siblings) have trained rows; it is served "
-                     "as the plain table.")
+    lines += recipe_variant(m).card_training_notes(m)
     if choice is not None:
         what = f"DDTree budget **{choice['budget']}**" if choice["budget"] else "the chain"
         scores = ", ".join(f"step {s}: {v:.2f}" for s, v in choice["validated"].items())
@@ -186,65 +187,26 @@ def training_section(recipe_text: str | None, fmt: str, choice: dict | None = No
         f"{t['warmup_ratio']} warmup, clip {t['clip_grad']}), {d['num_anchors']} anchors per sequence, "
         f"loss {' + '.join(f'{w} {n}' for n, w in loss['terms'].items())} with {loss['position_weight']} "
         f"slot weights{' and accept-until-fail' if loss['until_first_failure'] else ''}"
-        + (f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
-           if m.get("variant") == "dspark" and m.get("confidence_head") else "")
-        + (f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
-           if m.get("variant") == "dflash2" else
-           VARIANTS[m.get("variant", "dflash")].card_training(m, loss) or "."),
+        + (recipe_variant(m).card_training(m, loss) or "."),
         f"Data: `{d['train']}` (validation `{d['val']}`), up to {d['max_length']} tokens per conversation.",
         *(["", chosen] if chosen else []),
         "", "<details><summary>Full recipe (training_recipe.yaml)</summary>", "", "```yaml",
         recipe_text.strip(), "```", "", "</details>"])
 
 
-def is_dspark_dflash2(cfg) -> tuple[bool, bool]:
-    """The card's text differs by variant in four places: (DSpark?, DFlash2?)."""
-    return cfg.variant == "dspark", cfg.variant == "dflash2"
-
-
-def algorithm_text(cfg) -> str:
-    """The card's one-line account of the variant's drafting."""
-    own = VARIANTS[cfg.variant].card_algorithm(cfg)
-    if own is not None:
-        return own
-    dspark, dflash2 = is_dspark_dflash2(cfg)
-    text = f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
-    if dspark:
-        text = (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
-                f"(rank {cfg.markov_rank}) conditions each slot on the token drafted before it"
-                + ("; a confidence head predicts each slot's acceptance" if cfg.confidence_head else ""))
-    if dflash2:
-        text = (f"DFlash2: the DFlash block forward with {cfg.conv_kernel_size}-tap dynamic convolutions "
-                f"around every sublayer (within the block), then a rank-{cfg.selector_rank} candidate "
-                f"selector re-ranks each slot's top-{cfg.selector_top_k} tokens given the token before it")
-    return text
-
-
 def vllm_text(fmt: str, cfg, pin: dict, serve_ref: str) -> str:
-    """The vLLM command(s) that serve the export."""
+    """The vLLM command(s) that serve the export: the variant's own, or DFlash's for the format."""
     own = VARIANTS[cfg.variant].card_vllm(fmt, cfg, pin, serve_ref)
     if own is not None:
         return own
-    dspark, dflash2 = is_dspark_dflash2(cfg)
-    if fmt == SPECULATORS and dspark:  # vLLM reads `speculators_model_type: dspark` as method dspark
-        spec = json.dumps({"method": "dspark", "model": serve_ref,
-                           "num_speculative_tokens": cfg.block_size - 1})
-        vllm = (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
-                f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
-    elif fmt == SPECULATORS and dflash2:  # vLLM 0.33 reads `dflash2` as DFlash2DraftModel under method dflash
-        vllm = f"vllm serve {serve_ref}   # DFlash2DraftModel, method dflash, read from config.json"
-    elif fmt == SPECULATORS:
-        vllm = f"vllm serve {serve_ref}"
-    else:
-        spec = json.dumps({"method": "dflash", "model": serve_ref,
-                           "num_speculative_tokens": cfg.block_size - 1})
-        vllm = f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'"
-    return vllm
+    if fmt == SPECULATORS:
+        return f"vllm serve {serve_ref}"
+    spec = json.dumps({"method": "dflash", "model": serve_ref, "num_speculative_tokens": cfg.block_size - 1})
+    return f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'"
 
 
 def limitations_text(cfg, pin: dict) -> str:
     """Limitations beyond the template's: an unpublished verifier, what vLLM serves of the variant."""
-    dspark, dflash2 = is_dspark_dflash2(cfg)
     extra = "" if pin["kind"] != "content_sha256" else (
         f"- Trained and measured against `make real-target`'s conversion of `{pin['name_or_path']}` "
         "(dequantized GGUF weights, pinned above), not the Hub's own weights: dflash-eval and dflash-export "
@@ -252,18 +214,6 @@ def limitations_text(cfg, pin: dict) -> str:
         "the acceptance tables were not measured." if pin.get("converted_from") else
         "- The verifier is a local folder with no Hub revision; publish it or re-export with "
         "`--verifier <hub id> --verifier-revision <commit>` before sharing this drafter.")
-    if dspark and cfg.markov_head_type != "vanilla":
-        extra += ("\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head "
-                  f"only: this `{cfg.markov_head_type}` head's weights are not served there (speculators and "
-                  "dflash-train load them).")
-    if dspark:
-        extra += ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children with "
-                  f"the Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM drafts "
-                  "the DSpark chain.")
-    if dflash2:
-        extra += ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from "
-                  "dflash-train's decoder, whose tree ranks each node's children by the selector given that "
-                  "node's token.")
     return extra + VARIANTS[cfg.variant].card_limitations(cfg)
 
 
@@ -276,16 +226,16 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
     if recipe_text:  # its local paths are relative to the checkout (writer.portable_recipe): not Hub ids
         d = yaml.safe_load(recipe_text)["data"]
         datasets = [p for p in (d["train"], d["val"]) if on_hub(p)]
-    dspark, dflash2 = is_dspark_dflash2(cfg)
-    name = VARIANTS[cfg.variant].display_name  # every variant but plain DFlash also tags its name
+    variant = VARIANTS[cfg.variant]
+    # the variant's name as a tag too: plain DFlash's is the family tag "dflash" already there
+    tags = list(dict.fromkeys(["speculators", "speculative-decoding", "dflash", "ddtree", cfg.variant]))
     card_data = ModelCardData(base_model=hub_verifier,
                               library_name="speculators" if fmt == SPECULATORS else "vllm",
-                              tags=["speculators", "speculative-decoding", "dflash", "ddtree"]
-                              + [cfg.variant] * (dspark or dflash2 or cfg.variant != "dflash"),
+                              tags=tags,
                               license=license_id, datasets=datasets or None, pipeline_tag="text-generation")
     return ModelCard.from_template(
-        card_data, template_path=str(TEMPLATE), title=f"{name} drafter for {verifier}",
-        algorithm=name, algorithm_text=algorithm_text(cfg),
+        card_data, template_path=str(TEMPLATE), title=f"{variant.display_name} drafter for {verifier}",
+        algorithm=variant.display_name, algorithm_text=variant.card_algorithm(cfg),
         verifier=verifier,
         verifier_md=(f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier
                      else f"`{verifier}`"),

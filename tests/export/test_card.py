@@ -87,3 +87,16 @@ def test_a_run_from_another_drafter_says_its_steps_come_on_top():
                           "dflash-train")
     assert ("**4 steps** on from the drafter `runs/first/final` (model.init_from: these steps "
             "come on top of its own) (batch") in on
+
+
+def test_the_card_names_no_variant():
+    """Every variant's card text is its own (card_* methods of model/variants/): export/ tests no variant's
+    name or head and imports no variant's module, so a new variant's card needs no edit here."""
+    from pathlib import Path
+
+    import dflash_train.export as export
+
+    words = ("dspark", "dflash2", "xpress", "markov", "selector", "confidence", "refiner", "model.variants.")
+    for source in Path(export.__file__).parent.glob("*.py"):
+        text = source.read_text().lower()
+        assert not [w for w in words if w in text], source.name

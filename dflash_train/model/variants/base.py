@@ -11,7 +11,8 @@ from the backbone's marginals, no fields of its own.
     recipes       drafter_fields, recipe_fields, grows_from, grown, check_recipe
     checkpoints   check, draft_vocab, from_speculators, speculators_fields, speculators_config_class,
                   native_refusal
-    export        display_name, card_algorithm, card_vllm, card_limitations, card_training
+    export        display_name, card_algorithm, card_vllm, card_limitations, card_training,
+                  card_training_notes
     evaluation    cost_key
 
 `before` (chain, scorer, teacher_forced) is the token before the bonus (anchor) token: XPress's refiner
@@ -167,14 +168,15 @@ class Variant:
         from speculators.models.dflash import DFlashSpeculatorConfig
         return DFlashSpeculatorConfig
 
-    # --- the model card (None: the card's DFlash text) ------------------------------------------------
+    # --- the model card (the defaults are plain DFlash's text) ---------------------------------------
 
-    def card_algorithm(self, cfg) -> str | None:
+    def card_algorithm(self, cfg) -> str:
         """The card's one-line account of the drafting."""
-        return None
+        return f"DFlash: one non-causal forward predicts a block `[bonus token, MASK x {cfg.block_size - 1}]`"
 
     def card_vllm(self, fmt: str, cfg, pin: dict, serve_ref: str) -> str | None:
-        """The commands that serve (or, with none released, run) the export."""
+        """The commands that serve (or, with none released, run) the export; None: the export format's
+        own DFlash commands (export/card.py, which knows the formats)."""
         return None
 
     def card_limitations(self, cfg) -> str:
@@ -182,8 +184,14 @@ class Variant:
         return ""
 
     def card_training(self, m: dict, loss: dict) -> str | None:
-        """The end of the training sentence (recipe sections model `m` and loss), for its extra terms."""
+        """The end of the training sentence (recipe sections model `m` and loss), for its extra terms;
+        None: "." (no extra terms)."""
         return None
+
+    def card_training_notes(self, m: dict) -> list[str]:
+        """Lines on how the recipe (model section `m`) trained the variant's heads, after the tree
+        distillation's line and before the checkpoint choice's."""
+        return []
 
     # --- evaluation ---------------------------------------------------------------------------------
 

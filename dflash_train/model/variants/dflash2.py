@@ -371,5 +371,24 @@ class DFlash2(Variant):
         from speculators.models.dflash2 import DFlash2SpeculatorConfig  # architectures ["DFlash2DraftModel"]
         return DFlash2SpeculatorConfig
 
+    # --- the model card -----------------------------------------------------------------------------
+
+    def card_algorithm(self, cfg) -> str:
+        return (f"DFlash2: the DFlash block forward with {cfg.conv_kernel_size}-tap dynamic convolutions "
+                f"around every sublayer (within the block), then a rank-{cfg.selector_rank} candidate "
+                f"selector re-ranks each slot's top-{cfg.selector_top_k} tokens given the token before it")
+
+    def card_vllm(self, fmt, cfg, pin, serve_ref) -> str:
+        """Speculators only (native_refusal): vLLM 0.33 reads `dflash2` as DFlash2DraftModel."""
+        return f"vllm serve {serve_ref}   # DFlash2DraftModel, method dflash, read from config.json"
+
+    def card_limitations(self, cfg) -> str:
+        return ("\n- vLLM drafts the chain as its selector walk; the DDTree numbers come from "
+                "dflash-train's decoder, whose tree ranks each node's children by the selector given that "
+                "node's token.")
+
+    def card_training(self, m, loss) -> str:
+        return f", plus the candidate selector's K-way CE (weight {loss['selector_weight']})."
+
     def cost_key(self, cfg) -> str | None:
         return "dflash2" if cfg.selector_rank else None

@@ -22,6 +22,8 @@ Training feeds the true previous tokens (teacher forcing); decoding feeds back t
 markov_head.{markov_w1, markov_w2, gate_proj, joint_proj}.*, confidence_head.proj.*.
 """
 
+import json
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -405,6 +407,43 @@ class DSpark(Variant):
         return {"markov_rank": cfg.markov_rank, "markov_head_type": cfg.markov_head_type,
                 "enable_confidence_head": cfg.confidence_head,
                 "confidence_head_with_markov": cfg.confidence_head_with_markov}
+
+    # --- the model card -----------------------------------------------------------------------------
+
+    def card_algorithm(self, cfg) -> str:
+        return (f"DSpark: the DFlash block forward, then a {cfg.markov_head_type} Markov logit-bias head "
+                f"(rank {cfg.markov_rank}) conditions each slot on the token drafted before it"
+                + ("; a confidence head predicts each slot's acceptance" if cfg.confidence_head else ""))
+
+    def card_vllm(self, fmt, cfg, pin, serve_ref) -> str:
+        """Speculators only (native_refusal): vLLM reads `speculators_model_type: dspark` as method dspark."""
+        spec = json.dumps({"method": "dspark", "model": serve_ref,
+                           "num_speculative_tokens": cfg.block_size - 1})
+        return (f"vllm serve {serve_ref}   # method dspark, read from config.json\n"
+                f"vllm serve {pin['name_or_path']} --speculative-config '{spec}'")
+
+    def card_limitations(self, cfg) -> str:
+        head = "" if cfg.markov_head_type == "vanilla" else (
+            "\n- vLLM 0.33's DSpark runtime (`Qwen3DSparkModel`) implements the vanilla Markov head "
+            f"only: this `{cfg.markov_head_type}` head's weights are not served there (speculators and "
+            "dflash-train load them).")
+        return head + ("\n- The path-conditioned DDTree (dflash-train's decoder) scores each node's children "
+                       f"with the Markov bias on the backbone's top-{TREE_CANDIDATES} tokens per depth; vLLM "
+                       "drafts the DSpark chain.")
+
+    def card_training(self, m, loss) -> str | None:
+        if not m.get("confidence_head"):
+            return None
+        # the doubled full stop is what the card has always printed (kept byte-identical for now)
+        return f", plus the confidence head's BCE (weight {loss['confidence_weight']}).."
+
+    def card_training_notes(self, m) -> list[str]:
+        if not m.get("markov_w1_embed"):
+            return []
+        return ["The Markov head's W1 was trained as a table plus the verifier's input embedding times "
+                "a learned [H, r] map, folded into the table every step (model.markov_w1_embed), so "
+                "tokens seldom seen before a slot (a tree's siblings) have trained rows; it is served "
+                "as the plain table."]
 
     def cost_key(self, cfg) -> str | None:
         return f"dspark-{cfg.markov_head_type}" if cfg.markov_rank else None

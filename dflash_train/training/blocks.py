@@ -7,11 +7,12 @@ every drafted slot k = 1..B-1 the drafter's hidden state, the target's hidden st
 predicts the same token, the data's token there, and whether the slot counts (inside the
 sequence, on an assistant token, anchor valid). Both go through the target's LM head in the
 loss, chunk by chunk (dflash_train/model/loss.py): [b, A, K, V] logits are never built whole.
-A variant's heads run on the true previous tokens (teacher forcing, `Variant.teacher_forced`): DSpark's
-Markov vectors u (the bias is u . W2, added in the loss's chunks) and confidence logits come along.
+A variant's heads run on the true previous tokens (teacher forcing, `Variant.teacher_forced`); what they
+give comes along for the variant's own loss terms (a low-rank logit bias u . w2^T is added in the loss's
+chunks, `Variant.logit_bias`).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -29,17 +30,14 @@ class BlockOutputs:
     target_hidden: torch.Tensor  # [b, A, K, H], the target's final-normed state predicting the same tokens
     tokens: torch.Tensor  # [b, A, K], the data's token at each slot
     valid: torch.Tensor  # [b, A, K] bool
-    # DSpark (None for DFlash): teacher-forced Markov vectors of slots 1..K, logits += u . W2 (XPress: the
-    # refiner's latents, W2 its readout; Variant.bias_weight)
-    markov_u: torch.Tensor | None = None  # [b, A, K, r]
-    confidence_logits: torch.Tensor | None = None  # [b, A, K]
-    # [b, A, B, H] every slot's state (slot 0 too: the rnn head reads it)
+    # what the variant's heads give on the true previous tokens (Variant.teacher_forced; {} for DFlash),
+    # read by the variant's own methods only
+    heads: dict = field(default_factory=dict)
+    # [b, A, B, H] every slot's state (slot 0 too: a variant's head may read it)
     block_hidden: torch.Tensor | None = None
     bonus: torch.Tensor | None = None  # [b, A] the anchor (bonus) token of each block
     # [b, A] the token before each anchor (the anchor itself at position 0)
     before: torch.Tensor | None = None
-    # what a variant's extra loss reuses of its teacher-forced pass (XPress)
-    variant_state: dict | None = None
     # the target's greedy token at each slot, from a cache that stores it (None: not read; see target_labels)
     cached_labels: torch.Tensor | None = None  # [b, A, K] long
 
@@ -111,7 +109,7 @@ def block_slots(batch: Batch, anchors: torch.Tensor, anchor_valid: torch.Tensor,
 def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid, layer_ids: list[int],
                     block_size: int, mask_id: int, cache: HiddenStateCache | None = None) -> BlockOutputs:
     """One target pass (or a cache read) and one drafter pass over every anchored block of the batch,
-    then the variant's heads (DSpark's) on the true previous tokens."""
+    then the variant's heads on the true previous tokens."""
     ids = batch.input_ids
     b, T = ids.shape
     A, K = anchors.shape[1], block_size - 1
@@ -139,12 +137,11 @@ def anchored_blocks(drafter, target: Target, batch: Batch, anchors, anchor_valid
     model = extract_model_from_parallel(drafter)  # the DDP / DeepSpeed wrapper has no heads
     # [b, A, B] the true tokens at slots 0..B-1
     block_tokens = torch.cat([block_ids[:, :, :1], tokens], dim=2)
-    # the token before each anchor (XPress's slot 0 reads it; rows are single right-padded sequences)
+    # the token before each anchor (a variant's slot 0 may read it; rows are single right-padded sequences)
     before = torch.where(anchors > 0, ids.gather(1, (anchors - 1).clamp(min=0)), block_ids[:, :, 0])
-    # DSpark: markov_u, confidence_logits; XPress: markov_u, variant_state
     heads = model.variant.teacher_forced(model, block_hidden, block_tokens, before)
-    return BlockOutputs(hidden, t_hidden, tokens, valid, block_hidden=block_hidden, bonus=block_ids[:, :, 0],
-                        before=before, cached_labels=labels, **heads)
+    return BlockOutputs(hidden, t_hidden, tokens, valid, heads=heads, block_hidden=block_hidden,
+                        bonus=block_ids[:, :, 0], before=before, cached_labels=labels)
 
 
 def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
@@ -154,9 +151,8 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
     """Teacher-forced DDTree acceptance: per block, the tree from the drafter's slot
     distributions, walked along the target's tokens (labels) while they are in the tree.
     With `conditional` (block hidden [B, H], bonus, before: the token before it) -> scorer
-    (dspark.MarkovScorer over DSpark's
-    head, dflash2.SelectorScorer over DFlash2's selector), draft_logits are the backbone's and the
-    tree is path-conditioned, on hidden [.., B, H] and the bonus tokens [..].
+    (Variant.cpu_tree_scorer), draft_logits are the backbone's and the tree is path-conditioned, on
+    hidden [.., B, H] and the bonus tokens [..].
     Returns summable counts [len(budgets) + 1 + 4]: accepted tokens per budget, blocks, then
     the spine counts of the largest tree (ddtree.spine_counts: on-spine hits, nodes, off-spine
     hits, nodes)."""
@@ -189,12 +185,3 @@ def ddtree_acceptance(draft_logits: torch.Tensor, labels: torch.Tensor, valid: t
         counts[len(budgets) + 1:] += torch.tensor(spine_counts(tree, path, nxt), dtype=torch.float64)
     return counts
 
-
-def confidence_counts(confidence_logits: torch.Tensor, alpha: torch.Tensor,
-                      valid: torch.Tensor) -> torch.Tensor:
-    """Calibration of DSpark's confidence head, teacher-forced: per slot k the summed predicted
-    acceptance sigmoid(c_k), the summed measured rate alpha_k = sum_v min(p_v, q_v) (the loss's),
-    and the count of valid slots. Returns summable counts [3K]."""
-    v = valid.float()
-    predicted = (torch.sigmoid(confidence_logits.float()) * v).flatten(0, -2).sum(0)
-    return torch.cat([predicted, (alpha.float() * v).flatten(0, -2).sum(0), v.flatten(0, -2).sum(0)]).double()

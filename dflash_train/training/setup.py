@@ -33,9 +33,11 @@ from dflash_train.training.config import RunConfig
 from dflash_train.training.engines import (configure_deepspeed, fully_shard_drafter, launched_engine,
                                            load_optimizer_state, make_accelerator, shards_itself,
                                            whole_model_loading)
-from dflash_train.training.markov_embed import SharedW1
 from dflash_train.training.resume import DEEPSPEED_STATE
 from dflash_train.training.run_dir import OutputPlan, open_output_dir
+
+# the trainer state's key of Variant.side_optimizer's state (its first user's name, kept: checkpoints resume)
+SIDE_OPT_STATE = "markov_embed"
 
 
 def resolve_recipe_paths(cfg: RunConfig) -> RunConfig:
@@ -79,7 +81,7 @@ class Run:
     layer_ids: list[int]  # the target layers the drafter taps
     B: int  # block size
     mask_id: int
-    shared_w1: SharedW1 | None = None  # model.markov_w1_embed: W1's embedding path (markov_embed.py)
+    side_opt: object | None = None  # the variant's own optimizer beside AdamW (Variant.side_optimizer)
     start_step: int = 0  # the resumed checkpoint's step
     tokens: int = 0  # training tokens so far (all processes)
     train_time: float = 0.0  # seconds in optimizer steps so far
@@ -121,9 +123,9 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
         accelerator.print(f"draft vocabulary: {draft_vocab['size']} of {dcfg.vocab_size} tokens, covering "
                           f"{draft_vocab['coverage']:.1%} of data.train's supervised tokens "
                           f"({draft_vocab['val_coverage']:.1%} of data.val's)")
-    drafter, opt, raw_opt, sched, shared_w1, train_dl, position = setup_optimization(cfg, accelerator, engine,
-                                                                                     drafter, target,
-                                                                                     train_dl, resume)
+    drafter, opt, raw_opt, sched, side_opt, train_dl, position = setup_optimization(cfg, accelerator, engine,
+                                                                                    drafter, target,
+                                                                                    train_dl, resume)
     start_step, epoch, skip, tokens, train_time = position
     # everything is loaded and checked: only now is output_dir touched
     open_output_dir(out, plan, accelerator)
@@ -142,7 +144,7 @@ def setup(cfg: RunConfig, plan: OutputPlan) -> Run:
                drafter=drafter, opt=opt, raw_opt=raw_opt, sched=sched,
                batches=train_batches(train_dl, sampler, accelerator, epoch, skip),
                val_ds=val_ds, collate_fn=collate_fn, cache=cache, layer_ids=layer_ids, B=B, mask_id=mask_id,
-               shared_w1=shared_w1, start_step=start_step, tokens=tokens, train_time=train_time,
+               side_opt=side_opt, start_step=start_step, tokens=tokens, train_time=train_time,
                resume=resume)
 
 
@@ -157,11 +159,11 @@ def choose_precision(cfg: RunConfig) -> str:
 
 
 def check_heads_engine(variant: str, engine: str, accelerator: Accelerator) -> None:
-    """DSpark's heads and DFlash2's selector run after the backbone's forward (and use W2 / the
-    successor codebook inside the loss), outside any sharded unit's forward: FSDP must keep
-    parameters unsharded from forward to backward (recipes/accelerate/fsdp_dspark.yaml, for both)
-    and ZeRO-3, which gathers them per module forward, cannot serve them."""
-    if not VARIANTS[variant].heads_outside_forward:  # DSpark, DFlash2, XPress
+    """A variant whose heads run after the backbone's forward (and whose weights are used inside the
+    loss; Variant.heads_outside_forward) runs them outside any sharded unit's forward: FSDP must keep
+    parameters unsharded from forward to backward and ZeRO-3, which gathers them per module forward,
+    cannot serve them."""
+    if not VARIANTS[variant].heads_outside_forward:
         return
     if engine == "fsdp" and os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "true":
         raise UserError(f"model.variant={variant} under FSDP needs fsdp_reshard_after_forward: false "
@@ -232,8 +234,9 @@ def train_batches(loader: DataLoader, sampler: EpochSampler, accelerator: Accele
 def setup_optimization(cfg: RunConfig, accelerator: Accelerator, engine: str, drafter: torch.nn.Module,
                        target: Target, train_dl: DataLoader, resume: Path | None):
     """Distribution, AdamW and the cosine schedule (stepped once per optimizer step, on every
-    process), restored from `resume` -> (drafter, opt, torch optimizer, schedule, SharedW1 or None,
-    train loader, (step, epoch, batches consumed in it, tokens, train time) to continue from)."""
+    process), restored from `resume` -> (drafter, opt, torch optimizer, schedule, the variant's side
+    optimizer or None, train loader, (step, epoch, batches consumed in it, tokens, train time) to
+    continue from)."""
     start_step, epoch, skip, tokens, train_time = 0, 0, 0, 0, 0.0
     if resume:  # full weights go in before any sharding; the optimizer state after it
         weights, state = load_checkpoint(resume)
@@ -260,13 +263,8 @@ def setup_optimization(cfg: RunConfig, accelerator: Accelerator, engine: str, dr
             accelerator.load_state(str(resume / DEEPSPEED_STATE))
         else:
             load_optimizer_state(accelerator, drafter, raw_opt, state["optimizer"])
-    shared_w1 = None
-    if cfg.model.markov_w1_embed:  # W1's embedding path (markov_embed.py): reads the table's whole gradient
-        if engine not in ("single", "ddp"):
-            raise UserError(f"model.markov_w1_embed runs on one process or under DDP, not under {engine} (it "
-                            "reads the Markov table's whole gradient after each step)")
-        shared_w1 = SharedW1(accelerator.unwrap_model(drafter).markov_head, target.embed.weight, cfg.train.lr,
-                             cfg.train.betas, sched.lr_lambdas[0])
-        if resume:
-            shared_w1.load_state_dict(state["markov_embed"])
-    return drafter, opt, raw_opt, sched, shared_w1, train_dl, (start_step, epoch, skip, tokens, train_time)
+    model = accelerator.unwrap_model(drafter)
+    side_opt = model.variant.side_optimizer(model, cfg, engine, target.embed.weight, sched.lr_lambdas[0])
+    if side_opt is not None and resume:
+        side_opt.load_state_dict(state[SIDE_OPT_STATE])
+    return drafter, opt, raw_opt, sched, side_opt, train_dl, (start_step, epoch, skip, tokens, train_time)

@@ -52,7 +52,7 @@ from dflash_train.training.objective import term_names, training_loss
 from dflash_train.training.resume import (check_finite_weights, choose_checkpoint, kept_state,
                                           save_training_checkpoint)
 from dflash_train.training.run_dir import StopRequest, plan_output_dir
-from dflash_train.training.setup import Run, setup
+from dflash_train.training.setup import SIDE_OPT_STATE, Run, setup
 from dflash_train.training.tree_distill import pick_blocks, tree_distillation_loss
 from dflash_train.training.validate import cpu_tree_scorer, validate, validation_record
 
@@ -97,7 +97,7 @@ def run_training(cfg: RunConfig) -> None:
         if (cfg.eval.every and step % cfg.eval.every == 0) or step == cfg.max_steps:
             val = validate(accelerator, run.drafter, run.target, run.val_ds, run.collate_fn, cfg,
                            run.layer_ids, run.mask_id)
-            record.update(validation_record(val))
+            record.update(validation_record(val, accelerator.unwrap_model(run.drafter).variant))
         if metrics_file:
             metrics_file.write(json.dumps(record) + "\n")
             metrics_file.flush()
@@ -112,7 +112,7 @@ def run_training(cfg: RunConfig) -> None:
                                      {"step": step, "scheduler": run.sched.state_dict(), "epoch": epoch,
                                       "batches_in_epoch": in_epoch, "tokens": run.tokens,
                                       "train_time": run.train_time,
-                                      "markov_embed": run.shared_w1.state_dict() if run.shared_w1 else None})
+                                      SIDE_OPT_STATE: run.side_opt.state_dict() if run.side_opt else None})
         if stop_after_step:
             stop.restore()
             raise KeyboardInterrupt
@@ -225,8 +225,8 @@ def reduce_stats(run: Run, loss_sum: float, step_tokens: int, counts, terms, tre
 
 
 def apply_update(run: Run, step: int, loss: float) -> tuple[float | None, float]:
-    """Clip, check the loss and gradient norm are finite, then the optimizer, schedule (and W1's
-    embedding path) step and the gradients are cleared -> (gradient norm, the step's learning
+    """Clip, check the loss and gradient norm are finite, then the optimizer, schedule (and the
+    variant's side optimizer) step and the gradients are cleared -> (gradient norm, the step's learning
     rate). Under DeepSpeed the norm is read, and checked, only after the step (optimizer_step)."""
     cfg, drafter = run.cfg, run.drafter
     grad_norm = run.accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.clip_grad)
@@ -236,8 +236,8 @@ def apply_update(run: Run, step: int, loss: float) -> tuple[float | None, float]
     lr = run.sched.get_last_lr()[0]  # the rate this step uses
     run.opt.step()
     run.sched.step()
-    if run.shared_w1 is not None:  # reads the table's gradient: before it is cleared
-        run.shared_w1.step()
+    if run.side_opt is not None:  # it may read the drafter's gradients: before they are cleared
+        run.side_opt.step()
     run.opt.zero_grad(set_to_none=True)
     return grad_norm, lr
 

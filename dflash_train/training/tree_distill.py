@@ -14,17 +14,12 @@ drafter's distribution for the next slot given that node's path is pulled toward
 
     loss_tree = mean over nodes n of KL(p_target(. | path n) || q_drafter(. | path n))
 
-q per variant, exactly as the decoder's tree scores a node's children (h_t: the block's final
-states, slot t; a node at depth d carrying token x, the root carrying the bonus token at depth 0):
-    dflash:  q = softmax(lm_head(h_{d+1}))             the marginal: one q per depth, whatever x
-    dspark:  q = softmax(lm_head(h_{d+1}) + W2 u)      u from x (gated: and h_{d+1}; rnn: the path's state)
-    dflash2: q = softmax over C_{d+1} of S_{d+1}(x, .), p restricted to C_{d+1} and renormalised
-             (C_t: slot t's unary top-K, which is all the selector ranks; the unary mass outside
-             C_t is the backbone's, trained by the base loss)
-DSpark's tree applies the Markov bias to each depth's top-256 backbone tokens only (MarkovScorer);
-q here is the exact distribution (the bias on every token), which that tree approximates.
+q is the variant's, as the decoder's tree scores a node's children (Variant.node_log_probs; h_t: the
+block's final states, slot t; a node at depth d carrying token x, the root carrying the bonus token at
+depth 0). Plain DFlash's is the marginal q = softmax(lm_head(h_{d+1})), one q per depth whatever x; a
+variant's may span a support of its own (then p is restricted to it and renormalised).
 
-What it trains: the conditional head only (DSpark's Markov head, DFlash2's selector). The block's
+What it trains: the variant's conditional head only. The block's
 states h are detached: the backbone's scores are the same for every sibling at a depth, so the KL's
 gradient there would pull the spine's marginal toward the average of the target's distributions
 after each sibling; the base loss keeps the backbone on the spine. So a DFlash drafter (no
@@ -64,52 +59,22 @@ def pick_blocks(valid: torch.Tensor, anchors: int, step: int) -> tuple[int, list
     return -1, []
 
 
-def _markov_vectors(head, tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
-                    hidden: torch.Tensor) -> torch.Tensor:
-    """DSpark's u at every node: tokens, depths, parents [m] (root first: its bonus token, depth 0,
-    parent -1), hidden [B, H] -> u [m, r] of the slot after each node (slot depth + 1)."""
-    emb = head.markov_w1(tokens)  # [m, r]
-    h_next = hidden[(depths + 1).clamp(max=hidden.shape[0] - 1)].to(emb.dtype)  # [m, H]
-    if head.head_type != "rnn":
-        return head.step(None, emb, h_next)[0]
-    # rnn: the state runs down each path. Slot 0 advances it with the bonus token (as in
-    # teacher forcing and MarkovScorer); a node's step starts from its parent's state.
-    _, root_carry = head.step(emb.new_zeros(head.rank), emb[0], hidden[0].to(emb.dtype))
-    u, state = [None] * len(tokens), [None] * len(tokens)
-    for i in range(len(tokens)):  # parents come before children (pop order)
-        carry = root_carry if i == 0 else state[int(parents[i])]
-        u[i], state[i] = head.step(carry, emb[i], h_next[i])
-    return torch.stack(u)
-
-
 def node_log_probs(model, lm_head, hidden: torch.Tensor, tree: DraftTree, bonus: int):
-    """The drafter's next-slot log-probabilities at the root and every node above the last depth.
-    hidden [B, H] (the block's final states, with grad), lm_head: the target's frozen head ->
-    (rows [m] the nodes' indices in [root + nodes] numbering, support [m, S] long or None (the full
-    vocabulary), logq [m, S] float32)."""
+    """The drafter's next-slot log-probabilities at the root and every node above the last depth
+    (Variant.node_log_probs). hidden [B, H] (the block's final states), lm_head: the target's frozen
+    head -> (rows [m] the nodes' indices in [root + nodes] numbering, support [m, S] long or None (the
+    full vocabulary), logq [m, S] float32)."""
     L = hidden.shape[0] - 1
     tokens = torch.cat([torch.tensor([bonus]), tree.tokens]).to(hidden.device)  # [n+1]
     depths = torch.cat([torch.tensor([0]), tree.depths]).to(hidden.device)
-    rows = (depths < L).nonzero().flatten()  # nodes with a next slot
-    tokens, depths, parents = tokens[rows], depths[rows], tree.parents.to(hidden.device)[rows]
-    h_next = hidden[depths + 1]  # [m, H]
-    if model.candidate_selector is not None:
-        selector = model.candidate_selector
-        with torch.no_grad():  # the candidate sets: slot d+1's unary top-K
-            support = lm_head(hidden[1:]).topk(min(selector.top_k, lm_head.weight.shape[0]),
-                                               dim=-1).indices[depths]
-        unary = (lm_head.weight[support].to(h_next.dtype) @ h_next[..., None]).squeeze(-1)  # [m, K]
-        context = selector(h_next, tokens)  # [m, r]
-        scores = unary + (context[:, None, :] * selector.successor_codebook[support]).sum(-1).to(unary.dtype)
-        return rows, support, torch.log_softmax(scores.float(), dim=-1)
-    logits = lm_head(h_next)  # [m, V]
-    if model.markov_head is not None:
-        # rows are root-first and parent-before-child; renumber parents into rows for the rnn walk
-        index = torch.full((tree.size + 1,), -1, dtype=torch.long, device=rows.device)
-        index[rows] = torch.arange(len(rows), device=rows.device)
-        u = _markov_vectors(model.markov_head, tokens, depths, index[parents.clamp(min=0)], hidden)
-        logits = logits + model.markov_head.markov_w2(u.to(logits.dtype))
-    return rows, None, torch.log_softmax(logits.float(), dim=-1)
+    rows = (depths < L).nonzero().flatten()  # nodes with a next slot: root first, parents before children
+    parents = tree.parents.to(hidden.device)[rows]
+    # the parents renumbered into rows (a node's parent is above the last depth, so among them)
+    index = torch.full((tree.size + 1,), -1, dtype=torch.long, device=rows.device)
+    index[rows] = torch.arange(len(rows), device=rows.device)
+    parents = torch.where(parents >= 0, index[parents.clamp(min=0)], -1)
+    support, logq = model.variant.node_log_probs(model, lm_head, hidden, tokens[rows], depths[rows], parents)
+    return rows, support, logq
 
 
 def packed_trees(ids: torch.Tensor, anchors: list[int], trees: list[DraftTree]):
@@ -157,7 +122,7 @@ def tree_distillation_loss(model, target, ids: torch.Tensor, block_hidden: torch
     """One sequence's blocks. model: the unwrapped drafter; target: dflash_train.model.target.Target;
     ids [T] (the sequence, no padding); block_hidden [n, B, H] (those blocks' final states; read
     detached); anchors: their positions in ids (slot 0 = the token there); conditional: (hidden [B, H],
-    bonus) -> the tree's scorer (validate.cpu_tree_scorer), None for DFlash's marginal tree.
+    bonus) -> the tree's scorer (validate.cpu_tree_scorer), None for the marginal tree.
     -> (mean KL over the nodes, with grad in the conditional head; {"nodes": m, "agree": how many nodes'
     argmax q is the target's argmax}).
 

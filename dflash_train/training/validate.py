@@ -6,8 +6,7 @@ from tqdm.auto import tqdm
 
 from dflash_train.core.progress import BAR_INTERVAL
 from dflash_train.model.loss import acceptance_counts, acceptance_metrics, loss_divisor
-from dflash_train.training.blocks import (BlockOutputs, anchored_blocks, confidence_counts, ddtree_acceptance,
-                                          draw_anchors)
+from dflash_train.training.blocks import BlockOutputs, anchored_blocks, ddtree_acceptance, draw_anchors
 from dflash_train.training.config import RunConfig
 from dflash_train.training.objective import term_names, training_loss
 
@@ -18,14 +17,14 @@ VAL_SEED = 1234  # validation anchors are the same at every validation and in ev
 def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, layer_ids, mask_id) -> dict:
     """Held-out loss and each of its terms, per-position accuracy and acceptance rate alpha, chain
     EAL and teacher-forced DDTree tau at the recipe's budgets with the on-/off-spine accuracy of
-    the largest tree (path-conditioned for DSpark) and DSpark's confidence calibration, with
-    fixed anchors; each process takes every P-th conversation and the counts are summed, so the
-    result does not depend on the process count."""
+    the largest tree (path-conditioned where the variant's tree is) and the variant's own entries
+    (Variant.validation_entries), with fixed anchors; each process takes every P-th conversation and
+    the counts are summed, so the result does not depend on the process count."""
     drafter.eval()
     model, B = accelerator.unwrap_model(drafter), cfg.model.block_size
     rows = list(range(accelerator.process_index, len(val_ds), accelerator.num_processes))
-    totals = torch.zeros(sum(count_sizes(cfg)), dtype=torch.float64)
-    conditional = cpu_tree_scorer(model)  # DSpark's / DFlash2's path-conditioned trees are built on CPU
+    totals = torch.zeros(sum(count_sizes(cfg, model)), dtype=torch.float64)
+    conditional = cpu_tree_scorer(model)  # a variant's path-conditioned trees are built on CPU
     # Every process runs the same number of forwards (FSDP / ZeRO-3 gather weights inside them);
     # a process out of rows repeats row 0 and counts nothing.
     bs = cfg.train.batch_size
@@ -43,32 +42,33 @@ def validate(accelerator, drafter, target, val_ds, collate_fn, cfg: RunConfig, l
                 continue
             tree, tree_blocks_left = tree_counts(model, target, o, m["labels"], conditional, cfg,
                                                  tree_blocks_left)
-        totals += chunk_counts(o, m, loss_sum, tree, cfg)
+        totals += chunk_counts(model, o, m, loss_sum, tree, cfg)
     totals = accelerator.reduce(totals.to(accelerator.device), reduction="sum").cpu()
     drafter.train()
-    return validation_result(totals, cfg, model.confidence_head is not None)
+    return validation_result(totals, cfg, model)
 
 
-def count_sizes(cfg: RunConfig) -> list[int]:
+def count_sizes(cfg: RunConfig, model) -> list[int]:
     """The parts of validation's summable counts: loss and term numerators and the divisor;
-    acceptance counts; tree counts per budget, blocks and on-/off-spine hits and nodes; confidence
-    calibration (predicted, alpha, n per slot)."""
+    acceptance counts; tree counts per budget, blocks and on-/off-spine hits and nodes; the
+    variant's own (Variant.validation_counts)."""
     T, K = len(term_names(cfg)), cfg.model.block_size - 1
-    return [1 + T + 1, 3 * K + 2, len(cfg.eval.ddtree_budgets) + 1 + 4, 3 * K]
+    return [1 + T + 1, 3 * K + 2, len(cfg.eval.ddtree_budgets) + 1 + 4,
+            model.variant.validation_count_size(model, cfg)]
 
 
 def tree_counts(model, target, o: BlockOutputs, block_labels, conditional, cfg: RunConfig,
                 blocks_left: int) -> tuple[torch.Tensor, int]:
-    """Teacher-forced trees from the drafter's block distributions (a DSpark drafter's from the
-    backbone's, a DFlash2 drafter's from the unary logits, path-conditioned), a chunk of blocks at
-    a time, on at most `blocks_left` of the batch's blocks -> (summable tree counts, blocks left)."""
+    """Teacher-forced trees from the drafter's block distributions (the backbone's; path-conditioned
+    by the variant's scorer `conditional`, if any), a chunk of blocks at a time, on at most
+    `blocks_left` of the batch's blocks -> (summable tree counts, blocks left)."""
     budgets, K = cfg.eval.ddtree_budgets, cfg.model.block_size - 1
     flat = [x.flatten(0, 1)[:blocks_left] for x in (o.draft_hidden, block_labels, o.valid)]
     if conditional is not None:
         flat += [x.flatten(0, 1)[:blocks_left] for x in (o.block_hidden, o.bonus, o.before)]
     blocks_left -= len(flat[0])
     n = max(1, cfg.loss.chunk_slots // K if cfg.loss.chunk_slots else len(flat[0]))
-    tree = torch.zeros(count_sizes(cfg)[2], dtype=torch.float64)
+    tree = torch.zeros(count_sizes(cfg, model)[2], dtype=torch.float64)
     for j in range(0, len(flat[0]), n):
         hidden, labels, valid, *path_inputs = (x[j : j + n] for x in flat)
         tree += ddtree_acceptance(model.full_logits(hidden, target.lm_head).float().cpu(), labels.cpu(),
@@ -78,21 +78,19 @@ def tree_counts(model, target, o: BlockOutputs, block_labels, conditional, cfg: 
     return tree, blocks_left
 
 
-def chunk_counts(o: BlockOutputs, m: dict, loss_sum, tree, cfg: RunConfig) -> torch.Tensor:
+def chunk_counts(model, o: BlockOutputs, m: dict, loss_sum, tree, cfg: RunConfig) -> torch.Tensor:
     """One validation batch's summable counts, laid out as count_sizes() says."""
-    calibration = torch.zeros(count_sizes(cfg)[3], dtype=torch.float64) if o.confidence_logits is None else \
-        confidence_counts(o.confidence_logits, m["alpha"], o.valid).cpu()
     return torch.cat([torch.stack([loss_sum.double().cpu(), *m["terms"].double().cpu(),
                                    loss_divisor(o.valid, cfg.loss).double().cpu()]),
-                      acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree, calibration])
+                      acceptance_counts(m["correct"], m["valid"], m["alpha"]).cpu(), tree,
+                      model.variant.validation_counts(o, m)])
 
 
-def validation_result(totals: torch.Tensor, cfg: RunConfig, confidence: bool) -> dict:
-    """The counts summed over processes -> validate()'s result (calibration only with DSpark's
-    confidence head)."""
-    budgets, K = cfg.eval.ddtree_budgets, cfg.model.block_size - 1
+def validation_result(totals: torch.Tensor, cfg: RunConfig, model) -> dict:
+    """The counts summed over processes -> validate()'s result (the variant's entries last)."""
+    budgets = cfg.eval.ddtree_budgets
     T = len(term_names(cfg))
-    head, counts, tree, calibration = totals.split(count_sizes(cfg))
+    head, counts, tree, variant = totals.split(count_sizes(cfg, model))
     divisor = head[1 + T].clamp(min=1e-8)
     blocks = max(tree[len(budgets)].item(), 1.0)
     on_hit, on_n, off_hit, off_n = tree[len(budgets) + 1:].tolist()
@@ -102,11 +100,7 @@ def validation_result(totals: torch.Tensor, cfg: RunConfig, confidence: bool) ->
            "ddtree_tau": {str(b): 1.0 + tree[j].item() / blocks for j, b in enumerate(budgets)},
            "on_spine_acc": on_hit / on_n if on_n else None,
            "off_spine_acc": off_hit / off_n if off_n else None, "off_spine_nodes": int(off_n)}
-    if confidence:
-        predicted, alpha, n = calibration.view(3, K)
-        out["confidence"] = {"predicted": (predicted / n.clamp(min=1)).tolist(),
-                             "alpha": (alpha / n.clamp(min=1)).tolist()}
-    return out
+    return {**out, **model.variant.validation_entries(variant, cfg)}
 
 
 def cpu_tree_scorer(model):
@@ -116,8 +110,9 @@ def cpu_tree_scorer(model):
     return model.variant.cpu_tree_scorer(model)
 
 
-def validation_record(val: dict) -> dict:
-    """validate()'s result -> the val_* keys of a metrics record."""
+def validation_record(val: dict, variant) -> dict:
+    """validate()'s result -> the val_* keys of a metrics record (the variant's last,
+    Variant.validation_record)."""
     record = {"val_loss": round(val["loss"], 6), "val_eal": round(val["eal"], 4),
               "val_terms": {name: round(v, 6) for name, v in val["terms"].items()},
               "val_acc_per_position": [round(a, 4) for a in val["acc_per_position"]],
@@ -125,6 +120,4 @@ def validation_record(val: dict) -> dict:
               "val_ddtree_tau": {b: round(t, 4) for b, t in val["ddtree_tau"].items()},
               **{f"val_{k}": None if val[k] is None else round(val[k], 4)
                  for k in ("on_spine_acc", "off_spine_acc")}}
-    if "confidence" in val:  # DSpark: the confidence head's calibration per slot
-        record["val_confidence"] = {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}
-    return record
+    return {**record, **variant.validation_record(val)}

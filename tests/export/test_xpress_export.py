@@ -75,7 +75,7 @@ def test_export_loads_in_speculators_with_our_logits(exported, trained_xpress, t
     tf, _, base = speculators_forward(spec, tiny_target, ids, anchors, monkeypatch)
     o = our_blocks(ours, tiny_target, ids, anchors)
     ours_base = tiny_target.lm_head(o.draft_hidden[0])
-    torch.testing.assert_close(ours_base + ours.refiner_head.readout(o.markov_u[0]), tf[:, 1:], rtol=1e-5,
+    torch.testing.assert_close(ours_base + ours.refiner_head.readout(o.heads["y"][0]), tf[:, 1:], rtol=1e-5,
                                atol=1e-5)
     torch.testing.assert_close(ours_base, base[:, 1:], rtol=1e-5, atol=1e-5)
 

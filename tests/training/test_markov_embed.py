@@ -1,9 +1,8 @@
-"""model.markov_w1_embed (dflash_train/training/markov_embed.py): DSpark's W1 trained as table + Ê P with P
-folded
-into the table each step. Folding is exact: the table follows the unfolded parametrisation's W1 step for
-step (an independent reference: T + Ê P as two ordinary parameters under AdamW); a token never seen as a
-predecessor gets a trained row (a plain table leaves it at its initial value); a run with it resumes
-exactly, saves a plain DSpark head that every loader reads, and decodes losslessly."""
+"""model.markov_w1_embed (dflash_train/model/variants/markov_embed.py): DSpark's W1 trained as table + Ê P
+with P folded into the table each step. Folding is exact: the table follows the unfolded parametrisation's
+W1 step for step (an independent reference: T + Ê P as two ordinary parameters under AdamW); a token never
+seen as a predecessor gets a trained row (a plain table leaves it at its initial value); a run with it
+resumes exactly, saves a plain DSpark head that every loader reads, and decodes losslessly."""
 
 import json
 import math
@@ -14,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model.variants.dspark import MarkovHead
-from dflash_train.training.markov_embed import SharedW1
+from dflash_train.model.variants.markov_embed import SharedW1
 
 V, H, R = 40, 12, 6
 

@@ -7,7 +7,10 @@ from the backbone's marginals, no fields of its own.
 
     decoding      chain, states_confidence, scorer
     drafter       conv, add_modules
-    training      teacher_forced, bias_weight, extra_loss, extra_terms, heads_outside_forward
+    training      teacher_forced, logit_bias, extra_loss, extra_terms, node_log_probs, side_optimizer,
+                  heads_outside_forward
+    validation    cpu_tree_scorer, validation_count_size, validation_counts, validation_entries,
+                  validation_record
     recipes       drafter_fields, recipe_fields, grows_from, grown, check_recipe
     checkpoints   check, draft_vocab, from_speculators, speculators_fields, speculators_config_class,
                   native_refusal
@@ -109,10 +112,48 @@ class Variant:
 
     def teacher_forced(self, drafter, block_hidden: torch.Tensor, block_tokens: torch.Tensor,
                        before: torch.Tensor | None = None) -> dict:
-        """What the variant's heads give on the true previous tokens, as training.blocks.BlockOutputs
-        fields: block_hidden [b, A, B, H] every slot's state, block_tokens [b, A, B] the true tokens,
-        before [b, A] the token before each anchor."""
+        """What the variant's heads give on the true previous tokens (training.blocks.BlockOutputs.heads,
+        read back only by this variant's own methods): block_hidden [b, A, B, H] every slot's state,
+        block_tokens [b, A, B] the true tokens, before [b, A] the token before each anchor."""
         return {}
+
+    def logit_bias(self, model, heads: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The low-rank logit bias of the drafted slots, added in the loss's chunks: (u [b, A, K, r], w2
+        [N, r]) for logits += u . w2^T (N: the head's vocabulary), from teacher_forced's `heads`; None:
+        none."""
+        return None
+
+    def extra_loss(self, o, model, target, cfg, normalizer, block_loss, loss: torch.Tensor, m: dict):
+        """Terms beyond the main loss `loss` (metrics m) -> (loss, m with m["terms"] grown by
+        extra_terms(cfg)). o: the anchored blocks (training.blocks.BlockOutputs), target: the frozen
+        target, normalizer: the main loss's divisor. block_loss(bias=None, grad=True) -> (loss, m) is the
+        block's loss again (same head, labels, target, normaliser) with another low-rank logit bias (u,
+        w2), or none; its m["pred"] is the argmax in the head's index space."""
+        return loss, m
+
+    def extra_terms(self, cfg) -> list[str]:
+        """The names of the terms extra_loss appends to m["terms"]."""
+        return []
+
+    def node_log_probs(self, model, lm_head, hidden: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
+                       parents: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Tree distillation's q: the drafter's next-slot log-probabilities at m tree nodes, exactly as the
+        decoder's tree scores their children. hidden [B, H] the block's final states (grad flows into the
+        variant's head only: the caller detaches them), lm_head the target's frozen head, tokens, depths
+        [m] (the root first: the bonus token, depth 0), parents [m] each node's parent among these m (-1:
+        the root; parents come before children) -> (support [m, S] long, the tokens q spans, or None:
+        the whole vocabulary; logq [m, S] float32). DFlash: the marginal softmax(lm_head(h_{d+1}))."""
+        return None, torch.log_softmax(lm_head(hidden[depths + 1]).float(), dim=-1)
+
+    def side_optimizer(self, drafter, cfg, engine: str, embed_weight: torch.Tensor, schedule):
+        """A parameter of the variant's own trained beside the drafter's AdamW (drafter unwrapped, cfg the
+        RunConfig, engine as training/engines.py names it, embed_weight the target's input embedding
+        [V, H], schedule the drafter's lr factor per step) -> an object with step() (called after each
+        optimizer step, before the gradients are cleared), state_dict() and load_state_dict() (saved in
+        the trainer state for resume); None: none."""
+        return None
+
+    # --- validation ---------------------------------------------------------------------------------
 
     def cpu_tree_scorer(self, model):
         """Validation's path-conditioned trees: (block hidden [B, H], bonus, before) -> scorer over a CPU
@@ -120,21 +161,23 @@ class Variant:
         marginal tree."""
         return None
 
-    def bias_weight(self, model) -> torch.Tensor | None:
-        """w2 [V, r] of the low-rank logit bias u . w2^T whose u teacher_forced gives as markov_u."""
-        return None
+    def validation_count_size(self, model, cfg) -> int:
+        """The length of the summable counts validation_counts gives per validation chunk (0: none)."""
+        return 0
 
-    def extra_loss(self, o, model, cfg, block_loss, loss: torch.Tensor, m: dict):
-        """Terms beyond the main loss `loss` (metrics m): -> (loss, m with m["terms"] grown by
-        extra_terms(cfg)). block_loss(bias=None, grad=True) -> (loss, m) is the block's loss again
-        (same head, labels, target, normaliser) with another low-rank logit bias (u, w2), or none;
-        its m["pred"] is the argmax in the head's index space. DSpark's and DFlash2's extra terms are
-        still in training/objective.py."""
-        return loss, m
+    def validation_counts(self, o, m: dict) -> torch.Tensor:
+        """This variant's summable float64 counts [validation_count_size] of one validation chunk: o the
+        anchored blocks (training.blocks.BlockOutputs), m the loss's metrics (teacher-forced)."""
+        return torch.zeros(0, dtype=torch.float64)
 
-    def extra_terms(self, cfg) -> list[str]:
-        """The names of the terms extra_loss appends to m["terms"]."""
-        return []
+    def validation_entries(self, counts: torch.Tensor, cfg) -> dict:
+        """The counts summed over the validation set and processes -> this variant's entries of validate()'s
+        result."""
+        return {}
+
+    def validation_record(self, val: dict) -> dict:
+        """validate()'s result -> this variant's val_* keys of a metrics record."""
+        return {}
 
     # --- recipes ------------------------------------------------------------------------------------
 

@@ -314,6 +314,35 @@ class DFlash2(Variant):
     def scorer(self, drafter, hidden, bonus, before=None):
         return SelectorScorer(drafter.candidate_selector, hidden, bonus)
 
+    # --- training -----------------------------------------------------------------------------------
+
+    def extra_terms(self, cfg) -> list[str]:
+        return ["selector"]
+
+    def extra_loss(self, o, model, target, cfg, normalizer, block_loss, loss, m):
+        """+ loss.selector_weight x the selector's candidate CE (`selector_loss`: the main loss's slot
+        weights and normaliser), reported as the term "selector"; the chain's hits (m["correct"]) are then
+        the selector walk's, teacher-forced."""
+        block_tokens = torch.cat([o.bonus[..., None], o.tokens], dim=-1)  # [b, A, B] the data's, slots 0..B-1
+        sel, correct, _ = selector_loss(model.candidate_selector, o.draft_hidden, block_tokens,
+                                        target.lm_head, m["labels"], o.valid, cfg.loss, normalizer)
+        m["terms"] = torch.cat([m["terms"], sel.detach().reshape(1).to(m["terms"].dtype)])
+        m["correct"] = correct
+        return loss + cfg.loss.selector_weight * sel, m
+
+    def node_log_probs(self, model, lm_head, hidden, tokens, depths, parents):
+        """q = softmax over C_{d+1} of S_{d+1}(x, .) (support: C_t, slot t's unary top-K, which is all the
+        selector ranks; the caller restricts p to it and renormalises; the unary mass outside C_t is the
+        backbone's, trained by the base loss)."""
+        selector, h_next = model.candidate_selector, hidden[depths + 1]  # [m, H]
+        with torch.no_grad():  # the candidate sets: slot d+1's unary top-K
+            support = lm_head(hidden[1:]).topk(min(selector.top_k, lm_head.weight.shape[0]),
+                                               dim=-1).indices[depths]
+        unary = (lm_head.weight[support].to(h_next.dtype) @ h_next[..., None]).squeeze(-1)  # [m, K]
+        context = selector(h_next, tokens)  # [m, r]
+        scores = unary + (context[:, None, :] * selector.successor_codebook[support]).sum(-1).to(unary.dtype)
+        return support, torch.log_softmax(scores.float(), dim=-1)
+
     def cpu_tree_scorer(self, model):
         """SelectorScorer over a CPU float32 copy of the selector (validation's trees)."""
         c = model.config

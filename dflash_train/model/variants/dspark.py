@@ -30,7 +30,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.core.errors import UserError
+from dflash_train.model.loss import exp_weights
 from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy, kept_ids, w2_rows
+from dflash_train.model.variants.markov_embed import SharedW1
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
 # Candidate tokens per depth that the draft tree applies the Markov bias to (see MarkovScorer).
@@ -326,6 +328,35 @@ def confidence_loss(confidence_logits: torch.Tensor, alpha: torch.Tensor, weight
     return (bce * weights).sum() / normalizer
 
 
+def confidence_counts(confidence_logits: torch.Tensor, alpha: torch.Tensor,
+                      valid: torch.Tensor) -> torch.Tensor:
+    """Calibration of the confidence head, teacher-forced: per slot k the summed predicted
+    acceptance sigmoid(c_k), the summed measured rate alpha_k = sum_v min(p_v, q_v) (the loss's),
+    and the count of valid slots. Returns summable counts [3K]."""
+    v = valid.float()
+    predicted = (torch.sigmoid(confidence_logits.float()) * v).flatten(0, -2).sum(0)
+    return torch.cat([predicted, (alpha.float() * v).flatten(0, -2).sum(0), v.flatten(0, -2).sum(0)]).double()
+
+
+def tree_vectors(head: MarkovHead, tokens: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
+                 hidden: torch.Tensor) -> torch.Tensor:
+    """u at m draft-tree nodes: tokens, depths, parents [m] (root first: its bonus token, depth 0,
+    parent -1; a node's parent an index among the m), hidden [B, H] -> u [m, r] of the slot after each
+    node (slot depth + 1)."""
+    emb = head.markov_w1(tokens)  # [m, r]
+    h_next = hidden[(depths + 1).clamp(max=hidden.shape[0] - 1)].to(emb.dtype)  # [m, H]
+    if head.head_type != "rnn":
+        return head.step(None, emb, h_next)[0]
+    # rnn: the state runs down each path. Slot 0 advances it with the bonus token (as in
+    # teacher forcing and MarkovScorer); a node's step starts from its parent's state.
+    _, root_carry = head.step(emb.new_zeros(head.rank), emb[0], hidden[0].to(emb.dtype))
+    u, state = [None] * len(tokens), [None] * len(tokens)
+    for i in range(len(tokens)):  # parents come before children (pop order)
+        carry = root_carry if i == 0 else state[int(parents[i])]
+        u[i], state[i] = head.step(carry, emb[i], h_next[i])
+    return torch.stack(u)
+
+
 class DSpark(Variant):
     """The variant: the heads after the backbone, the Markov chain and tree, and DSpark's fields."""
     name = "dspark"
@@ -365,9 +396,70 @@ class DSpark(Variant):
     def add_modules(self, drafter, config) -> None:
         drafter.markov_head, drafter.confidence_head = dspark_heads(config)
 
+    # --- training and validation -------------------------------------------------------------------
+
     def teacher_forced(self, drafter, block_hidden, block_tokens, before=None) -> dict:
+        """{"u": the Markov vectors [b, A, K, r] or None, "confidence_logits": [b, A, K] or None}."""
         u, confidence = teacher_forced(drafter, block_hidden, block_tokens)
-        return {"markov_u": u, "confidence_logits": confidence}
+        return {"u": u, "confidence_logits": confidence}
+
+    def logit_bias(self, model, heads):
+        """The Markov bias u . W2^T (W2 [N, r] over the head's vocabulary)."""
+        return None if heads["u"] is None else (heads["u"], model.markov_head.markov_w2.weight)
+
+    def extra_loss(self, o, model, target, cfg, normalizer, block_loss, loss, m):
+        """+ loss.confidence_weight x the confidence head's BCE toward the detached per-slot acceptance
+        rate alpha (`confidence_loss`), with DFlash's exp slot weights (as speculators weighs it) and the
+        main loss's normaliser. A draft vocabulary's step adds none: its alpha exists only on the steps
+        that need it (objective.draft_vocab_loss), so the head is not trained there."""
+        confidence = o.heads["confidence_logits"]
+        if confidence is None or not cfg.loss.confidence_weight or model.lm_head is not None:
+            return loss, m
+        w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
+        return loss + cfg.loss.confidence_weight * confidence_loss(confidence, m["alpha"], w, normalizer), m
+
+    def node_log_probs(self, model, lm_head, hidden, tokens, depths, parents):
+        """q = softmax(lm_head(h_{d+1}) + W2 u), u from the node's token x (gated: and h_{d+1}; rnn: the
+        state along the node's path; `tree_vectors`). This is the exact distribution (the bias on every
+        token), which MarkovScorer's tree (the bias on each depth's top-256 backbone tokens) approximates."""
+        logits = lm_head(hidden[depths + 1])  # [m, V]
+        if model.markov_head is not None:
+            u = tree_vectors(model.markov_head, tokens, depths, parents, hidden)
+            logits = logits + model.markov_head.markov_w2(u.to(logits.dtype))
+        return None, torch.log_softmax(logits.float(), dim=-1)
+
+    def side_optimizer(self, drafter, cfg, engine, embed_weight, schedule):
+        """model.markov_w1_embed: W1 trained through the target's input embedding (markov_embed.SharedW1);
+        it reads the Markov table's whole gradient, so one process or DDP only."""
+        if not cfg.model.markov_w1_embed:
+            return None
+        if engine not in ("single", "ddp"):
+            raise UserError(f"model.markov_w1_embed runs on one process or under DDP, not under {engine} (it "
+                            "reads the Markov table's whole gradient after each step)")
+        return SharedW1(drafter.markov_head, embed_weight, cfg.train.lr, cfg.train.betas, schedule)
+
+    def validation_count_size(self, model, cfg) -> int:
+        """The confidence head's calibration: predicted, alpha and n per slot."""
+        return 0 if model.confidence_head is None else 3 * (cfg.model.block_size - 1)
+
+    def validation_counts(self, o, m):
+        confidence = o.heads["confidence_logits"]
+        if confidence is None:
+            return super().validation_counts(o, m)
+        return confidence_counts(confidence, m["alpha"], o.valid).cpu()
+
+    def validation_entries(self, counts, cfg) -> dict:
+        """"confidence": the mean predicted acceptance and the measured alpha per slot."""
+        if not len(counts):
+            return {}
+        predicted, alpha, n = counts.view(3, cfg.model.block_size - 1)
+        return {"confidence": {"predicted": (predicted / n.clamp(min=1)).tolist(),
+                               "alpha": (alpha / n.clamp(min=1)).tolist()}}
+
+    def validation_record(self, val) -> dict:
+        if "confidence" not in val:
+            return {}
+        return {"val_confidence": {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}}
 
     def drafter_fields(self, m, tc) -> dict:
         if m.markov_rank > tc.vocab_size:  # W2(W1[x]) is a V x V bias: its rank is at most V
@@ -395,9 +487,6 @@ class DSpark(Variant):
             raise UserError("DSpark config has confidence_head_with_markov true but markov_rank 0")
         return {"variant": "dspark", "markov_rank": rank, "markov_head_type": head_type,
                 "confidence_head": confidence, "confidence_head_with_markov": with_markov}
-
-    def bias_weight(self, model):
-        return None if model.markov_head is None else model.markov_head.markov_w2.weight
 
     def speculators_config_class(self):
         from speculators.models.dspark import DSparkSpeculatorConfig

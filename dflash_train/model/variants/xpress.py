@@ -241,10 +241,11 @@ class XPress(Variant):
     def teacher_forced(self, drafter, block_hidden, block_tokens, before=None) -> dict:
         y, hcache = teacher_forced(drafter, block_hidden, block_tokens,
                                    block_tokens[..., 0] if before is None else before)
-        return {"markov_u": y, "variant_state": {"hcache": hcache}}
+        return {"y": y, "hcache": hcache}  # the refiner's latents [b, A, K, r], hcache [b*A, B, 2r]
 
-    def bias_weight(self, model):
-        return model.refiner_head.readout.weight
+    def logit_bias(self, model, heads):
+        """The refiner's bias y . readout^T (readout [N, r] over the head's vocabulary)."""
+        return heads["y"], model.refiner_head.readout.weight
 
     def cpu_tree_scorer(self, model):
         """XPressScorer over a CPU float32 copy of the refiner (validation's logits are [.., V], -inf outside
@@ -259,7 +260,7 @@ class XPress(Variant):
     def extra_terms(self, cfg) -> list[str]:
         return ["consistency", "base_anchor"]
 
-    def extra_loss(self, o, model, cfg, block_loss, loss, m):
+    def extra_loss(self, o, model, target, cfg, normalizer, block_loss, loss, m):
         """speculators' XPress loss: + consistency_weight x the mean of the free-running rounds' losses
         + base_anchor_weight x the backbone's own loss (the same terms, slot weights and normaliser as
         the teacher-forced pass, which `loss` is). Reported as the terms "consistency", "base_anchor".
@@ -275,7 +276,7 @@ class XPress(Variant):
         rounds = []
         if rounds_on:
             b, A, K = o.tokens.shape
-            pred, hcache = mb["pred"], o.variant_state["hcache"]
+            pred, hcache = mb["pred"], o.heads["hcache"]
             fixed = torch.stack([o.before, o.bonus], dim=-1)  # [b, A, 2]
             for _ in range(L.consistency_passes):
                 drafted = pred[..., :-1] if kept is None else kept[pred[..., :-1]]

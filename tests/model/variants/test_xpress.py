@@ -90,7 +90,7 @@ def test_teacher_forced_logits_equal_speculators_xpress(tiny_target, monkeypatch
     tf, rounds, base = speculators_forward(spec, tiny_target, ids, anchors, monkeypatch)
     o = our_blocks(drafter, tiny_target, ids, anchors)
     ours_base = tiny_target.lm_head(o.draft_hidden[0])
-    ours_tf = ours_base + drafter.refiner_head.readout(o.markov_u[0])
+    ours_tf = ours_base + drafter.refiner_head.readout(o.heads["y"][0])
     torch.testing.assert_close(ours_base, base[:, 1:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours_tf, tf[:, 1:], rtol=1e-5, atol=1e-5)
     assert len(rounds) == 3  # speculators' default consistency passes
@@ -327,7 +327,7 @@ def test_speculators_written_checkpoint_is_read(tiny_target, tmp_path, monkeypat
     tf, _, base = speculators_forward(spec, tiny_target, ids, anchors, monkeypatch)
     o = our_blocks(drafter, tiny_target, ids, anchors)
     ours = (drafter.logits_head(tiny_target.lm_head)(o.draft_hidden[0])
-            + drafter.refiner_head.readout(o.markov_u[0]))
+            + drafter.refiner_head.readout(o.heads["y"][0]))
     torch.testing.assert_close(ours, tf[:, 1:], rtol=1e-5, atol=1e-5)
 
 
@@ -502,7 +502,7 @@ def test_draft_vocabulary_export_loads_in_speculators(tiny_target, xpress_draft_
              verifier_last_hidden_states=torch.zeros(1, ids.shape[1], ours.config.hidden_size),
              document_ids=torch.zeros_like(ids), max_anchors=3)
     o = our_blocks(ours, tiny_target, ids, anchors)
-    mine = ours.lm_head(o.draft_hidden[0]) + ours.refiner_head.readout(o.markov_u[0])
+    mine = ours.lm_head(o.draft_hidden[0]) + ours.refiner_head.readout(o.heads["y"][0])
     torch.testing.assert_close(mine, seen["tf"].view(3, Bs, -1)[:, 1:], rtol=1e-5, atol=1e-5)
 
 

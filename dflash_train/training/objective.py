@@ -15,7 +15,8 @@ def training_loss(o: BlockOutputs, target, model, cfg: RunConfig, normalizer,
     loss's chunks (Variant.logit_bias), plus the variant's extra terms (Variant.extra_loss)."""
     bias = model.variant.logit_bias(model, o.heads)
     if model.lm_head is not None:  # a draft vocabulary: its own (cheap) step
-        block_loss = draft_vocab_loss(o, target, model, cfg, normalizer, with_alpha)
+        block_loss = draft_vocab_loss(o, target, model, cfg, normalizer,
+                                      with_alpha or model.variant.needs_alpha(model, cfg))
     else:
         def block_loss(bias=None, grad=True):  # the block's loss again, with another low-rank bias
             with torch.set_grad_enabled(grad and torch.is_grad_enabled()):

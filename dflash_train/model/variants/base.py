@@ -7,8 +7,8 @@ from the backbone's marginals, no fields of its own.
 
     decoding      chain, states_confidence, scorer
     drafter       conv, add_modules
-    training      teacher_forced, logit_bias, extra_loss, extra_terms, node_log_probs, side_optimizer,
-                  heads_outside_forward
+    training      teacher_forced, logit_bias, extra_loss, extra_terms, needs_alpha, node_log_probs,
+                  side_optimizer, heads_outside_forward
     validation    cpu_tree_scorer, validation_count_size, validation_counts, validation_entries,
                   validation_record
     recipes       drafter_fields, recipe_fields, grows_from, grown, check_recipe
@@ -134,6 +134,11 @@ class Variant:
     def extra_terms(self, cfg) -> list[str]:
         """The names of the terms extra_loss appends to m["terms"]."""
         return []
+
+    def needs_alpha(self, model, cfg) -> bool:
+        """Whether extra_loss reads the per-slot acceptance rate m["alpha"] on every step (a draft
+        vocabulary's ce step computes the target's probabilities only when something needs them)."""
+        return False
 
     def node_log_probs(self, model, lm_head, hidden: torch.Tensor, tokens: torch.Tensor, depths: torch.Tensor,
                        parents: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:

@@ -410,13 +410,17 @@ class DSpark(Variant):
     def extra_loss(self, o, model, target, cfg, normalizer, block_loss, loss, m):
         """+ loss.confidence_weight x the confidence head's BCE toward the detached per-slot acceptance
         rate alpha (`confidence_loss`), with DFlash's exp slot weights (as speculators weighs it) and the
-        main loss's normaliser. A draft vocabulary's step adds none: its alpha exists only on the steps
-        that need it (objective.draft_vocab_loss), so the head is not trained there."""
+        main loss's normaliser (with a draft vocabulary alpha is over it: `needs_alpha`)."""
         confidence = o.heads["confidence_logits"]
-        if confidence is None or not cfg.loss.confidence_weight or model.lm_head is not None:
+        if confidence is None or not cfg.loss.confidence_weight:
             return loss, m
         w = exp_weights(o.valid.shape[-1], cfg.loss.gamma, o.valid.device) * o.valid
         return loss + cfg.loss.confidence_weight * confidence_loss(confidence, m["alpha"], w, normalizer), m
+
+    def needs_alpha(self, model, cfg) -> bool:
+        """The confidence head's BCE reads alpha on every step (a draft vocabulary's step then computes the
+        target's probabilities over it)."""
+        return model.confidence_head is not None and cfg.loss.confidence_weight > 0
 
     def node_log_probs(self, model, lm_head, hidden, tokens, depths, parents):
         """q = softmax(lm_head(h_{d+1}) + W2 u), u from the node's token x (gated: and h_{d+1}; rnn: the

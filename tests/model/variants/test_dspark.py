@@ -386,6 +386,27 @@ def test_draft_vocabulary_run_keeps_the_vocabulary_and_lowers_the_loss(dspark_dr
     assert set(records[-1]["val_ddtree_tau"]) == {"4", "16"}  # validation's path-conditioned trees ran
 
 
+def test_draft_vocabulary_ce_steps_train_the_confidence_head(tmp_path_factory, small_data,
+                                                              dspark_draft_vocab):
+    """A ce step with a draft vocabulary computes the target's probabilities only when something reads them:
+    the confidence head's BCE does on every step (not only on log steps), so its weights move, and with
+    loss.confidence_weight 0 they do not."""
+    from dflash_train.cli.train import main as train_main
+
+    heads = []
+    for weight in (1.0, 0.0):
+        out = tmp_path_factory.mktemp("conf") / "run"
+        train_main([f"output_dir={out}", f"model.init_from={dspark_draft_vocab[0]}", "model.variant=dspark",
+                    f"model.markov_rank={RANK}", "model.draft_vocab_size=128", "model.num_layers=1",
+                    "max_steps=2", "log_every=100", "train.lr=1e-2", "train.batch_size=4",
+                    "data.num_anchors=8", "eval.every=0", "eval.max_samples=2", "checkpoint_every=0",
+                    "loss.terms={ce: 1.0}",
+                    f"loss.confidence_weight={weight}", f"data.train={small_data / 'train.jsonl'}",
+                    f"data.val={small_data / 'val.jsonl'}"])
+        heads.append(load_drafter(out / "final")[0].confidence_head.proj.weight)
+    assert not torch.allclose(heads[0], heads[1], atol=1e-4)
+
+
 @torch.no_grad()
 def test_draft_vocabulary_chain_is_teacher_forcing_on_its_own_tokens(tiny_target, dspark_draft_vocab):
     """In draft space the chain feeds each drafted index back as its target id: given the chain's tokens

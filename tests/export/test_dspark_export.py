@@ -139,7 +139,7 @@ def test_card_serves_method_dspark(exported):
     text = card.text
     assert text.startswith("\n# DSpark drafter for") or "# DSpark drafter for" in text
     assert "vllm serve" in text and '"method": "dspark"' in text and "Markov" in text
-    assert "confidence head's BCE" in text
+    assert "confidence head's BCE" in text and "(weight 1.0).." not in text  # one full stop
     assert "implements the vanilla Markov head only" not in text
 
 

@@ -97,6 +97,7 @@ def test_card_says_which_vllm_serves_it(exported):
     assert "xpress" in card.data.tags
     text = card.text
     assert "# XPress drafter for" in text and "causal refiner" in text and "Jacobi" in text
+    assert "An **XPress** drafter" in text  # not "A **XPress**"
     assert ("No released vLLM serves XPress" in text and "PR #54448" in text
             and "dflash-eval --drafter" in text)
     assert "consistency rounds" in text and "vllm serve" not in text

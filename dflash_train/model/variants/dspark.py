@@ -527,8 +527,7 @@ class DSpark(Variant):
     def card_training(self, m, loss) -> str | None:
         if not m.get("confidence_head"):
             return None
-        # the doubled full stop is what the card has always printed (kept byte-identical for now)
-        return f", plus the confidence head's BCE (weight {loss['confidence_weight']}).."
+        return f", plus the confidence head's BCE (weight {loss['confidence_weight']})."
 
     def card_training_notes(self, m) -> list[str]:
         if not m.get("markov_w1_embed"):

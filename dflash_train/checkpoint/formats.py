@@ -29,7 +29,8 @@ from pydantic import Field, model_validator
 from dflash_train.core.errors import UserError
 from dflash_train.core.schema import Open, Strict, validated
 from dflash_train.model.drafter import DrafterConfig
-from dflash_train.model.variants import VARIANTS
+from dflash_train.model.variants import VARIANTS, VariantName, variant_bases
+from dflash_train.model.variants.base import Index, Size
 
 OURS, SPECULATORS, NATIVE = "dflash-train", "speculators", "dflash"
 
@@ -41,19 +42,13 @@ QWEN3_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_at
 
 # --- schemas: every config.json is checked before it is read (read_config) --------------------
 
-Size = Annotated[int, Field(ge=1)]
-Index = Annotated[int, Field(ge=0)]
-
-
-def check_sizes(vocab: int, mask_id: int, taps: list[int], layers: int | None, top_k: int | None) -> None:
-    """What the tensors need: the mask is an embedding row, the taps are layers of the target,
-    the selector's candidates come from the vocabulary."""
+def check_sizes(vocab: int, mask_id: int, taps: list[int], layers: int | None) -> None:
+    """What the tensors need: the mask is an embedding row, the taps are layers of the target (a variant's
+    fields: Variant.check, check_speculators)."""
     if mask_id >= vocab:
         raise ValueError(f"mask_token_id {mask_id} is not a row of the {vocab}-token vocabulary")
     if layers is not None and max(taps) >= layers:
         raise ValueError(f"tapped layer {max(taps)} is beyond the target's {layers} layers")
-    if top_k is not None and top_k > vocab:
-        raise ValueError(f"selector_top_k {top_k} exceeds the vocabulary ({vocab}): at most {vocab}")
 
 
 def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
@@ -69,8 +64,8 @@ def check_draft_vocab(size: int | None, vocab: int, variant: str) -> None:
                          f"{vocab}")
 
 
-class DrafterFields(Strict):
-    """Ours: config.json's `drafter`, DrafterConfig field for field (model/drafter.py says what each
+class BackboneFields(Strict):
+    """Ours: config.json's `drafter`, BackboneConfig field for field (model/drafter.py says what each
     means)."""
     hidden_size: Size
     intermediate_size: Size
@@ -88,26 +83,19 @@ class DrafterFields(Strict):
     rope_parameters: dict = {"rope_type": "default", "rope_theta": 1e6}
     attention_bias: bool = False
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
-    variant: Literal["dflash", "dspark", "dflash2", "xpress"] = "dflash"
-    markov_rank: Index = 0
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"
-    confidence_head: bool = False
-    confidence_head_with_markov: bool = False
-    conv_kernel_size: Index = 0
-    conv_group_size: Index = 0
-    selector_rank: Index = 0
-    selector_top_k: Index = 0
-    xpress_rank: Index = 0
-    xpress_mlp_ratio: Index = 0
-    num_jacobi_passes: Index = 0
+    variant: VariantName = "dflash"
+
+
+class DrafterFields(*variant_bases("drafter_keys"), BackboneFields):
+    """Ours: config.json's `drafter`, DrafterConfig field for field: the backbone's, each variant's
+    (Variant.drafter_keys), the draft vocabulary."""
     draft_vocab_size: Annotated[int, Field(ge=2)] | None = None
 
     @model_validator(mode="after")
     def _fits(self):
         check_draft_vocab(self.draft_vocab_size, self.vocab_size, self.variant)
         VARIANTS[self.variant].check(self)
-        check_sizes(self.vocab_size, self.mask_token_id, self.target_layer_ids, self.num_target_layers,
-                    self.selector_top_k)
+        check_sizes(self.vocab_size, self.mask_token_id, self.target_layer_ids, self.num_target_layers)
         return self
 
 
@@ -143,8 +131,9 @@ class ExtraFields(Open):  # the `dflash_train` block both exports carry
     mask_token: str | None = None
 
 
-class SpeculatorsFile(Open):
-    speculators_model_type: Literal["dflash", "dspark", "dflash2", "xpress"]
+class SpeculatorsCore(Open):
+    """A Speculators config.json's keys every variant has (SpeculatorsFile adds each variant's)."""
+    speculators_model_type: VariantName
     transformer_layer_config: LayerFields
     block_size: Annotated[int, Field(ge=2)]
     mask_token_id: Index
@@ -153,24 +142,17 @@ class SpeculatorsFile(Open):
     verifier_pin: dict | None = None
     sample_from_anchor: bool | None = None
     draft_vocab_size: Size | None = None
-    markov_rank: Index | None = None
-    markov_head_type: Literal["vanilla", "gated", "rnn"] | None = None
-    enable_confidence_head: bool | None = None
-    confidence_head_with_markov: bool | None = None
-    conv_kernel_size: Size | None = None
-    conv_group_size: Size | None = None
-    selector_rank: Size | None = None
-    selector_top_k: Size | None = None
-    xpress_rank: Size | None = None
-    xpress_mlp_ratio: Size | None = None
-    num_jacobi_passes: Size | None = None
+
+
+class SpeculatorsFile(*variant_bases("speculators_keys"), SpeculatorsCore):
+    """Each variant's keys (Variant.speculators_keys) after the core's."""
 
     @model_validator(mode="after")
     def _fits(self):
         extra = self.dflash_train or ExtraFields()
         check_sizes(self.transformer_layer_config.vocab_size, self.mask_token_id,
-                    [i - 1 for i in self.aux_hidden_state_layer_ids], extra.num_target_layers,
-                    self.selector_top_k)
+                    [i - 1 for i in self.aux_hidden_state_layer_ids], extra.num_target_layers)
+        VARIANTS[self.speculators_model_type].check_speculators(self)
         return self
 
 
@@ -194,7 +176,7 @@ class NativeFile(LayerFields):
         if self.block_size is None and self.dflash_config.block_size is None:
             raise ValueError("no block_size (neither top level nor in dflash_config)")
         check_sizes(self.vocab_size, self.dflash_config.mask_token_id, self.dflash_config.target_layer_ids,
-                    self.num_target_layers, None)
+                    self.num_target_layers)
         return self
 
 

@@ -30,7 +30,7 @@ vocabulary (-inf elsewhere, as vLLM does), so decoding never proposes a token ou
 """
 
 import functools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import Literal
 
 import torch
@@ -46,14 +46,15 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
-from dflash_train.model.variants import VARIANTS
+from dflash_train.model.variants import VARIANTS, variant_bases
 from dflash_train.model.variants.base import Variant
 from dflash_train.model.variants.dflash2 import GroupedDynamicConv
 from dflash_train.model.vocab import DraftVocab
 
 
 @dataclass
-class DrafterConfig:
+class BackboneConfig:
+    """DrafterConfig's fields every variant has."""
     hidden_size: int  # must equal the target's: the drafter shares its embeddings and LM head
     intermediate_size: int
     num_hidden_layers: int  # drafter layers
@@ -73,24 +74,19 @@ class DrafterConfig:
     attention_bias: bool = False
     # In-block attention: DFlash's bidirectional block, or JetSpec-style causal (slot i sees <= i).
     block_attention: Literal["bidirectional", "causal"] = "bidirectional"
-    # DSpark (dflash_train/model/variants/dspark.py): a Markov logit-bias head of rank markov_rank (0: none)
-    # and a confidence head, whose input includes the Markov embedding when confidence_head_with_markov.
-    variant: str = "dflash"
-    markov_rank: int = 0
-    markov_head_type: str = "vanilla"
-    confidence_head: bool = False
-    confidence_head_with_markov: bool = False
-    # DFlash2 (0 for other variants): taps of each local convolution, hidden channels sharing one
-    # dynamic kernel, and the candidate selector's rank and candidates per slot (dflash2.py).
-    conv_kernel_size: int = 0
-    conv_group_size: int = 0
-    selector_rank: int = 0
-    selector_top_k: int = 0
-    # XPress (0 for other variants): the refiner's rank and SwiGLU ratio, and the Jacobi passes of its
-    # chain at most (xpress.py; speculators' names)
-    xpress_rank: int = 0
-    xpress_mlp_ratio: int = 0
-    num_jacobi_passes: int = 0
+    variant: str = "dflash"  # one of VARIANTS (model/variants/)
+
+
+def _as_dataclass(keys) -> type:
+    """A variant's drafter_keys (a pydantic model, for config.json's schema) as a dataclass for DrafterConfig
+    to inherit: the same names, types and defaults."""
+    return make_dataclass(keys.__name__, [(k, f.annotation, f.default) for k, f in keys.model_fields.items()])
+
+
+@dataclass
+class DrafterConfig(*map(_as_dataclass, variant_bases("drafter_keys")), BackboneConfig):
+    """The backbone's fields, then each variant's (Variant.drafter_keys, declared in its file: its defaults
+    when another variant is drafted), then the draft vocabulary."""
     # A draft vocabulary (model/vocab.py): the drafter predicts over N < vocab_size of the target's
     # tokens through its own frozen `lm_head` [N, H] (the target's rows) and maps draft index i to
     # target id i + d2t[i]. None: the full vocabulary through the target's own head.

@@ -1,7 +1,7 @@
 """Build a drafter for a target from the recipe's model section (a fresh one, or `model.init_from`).
 
 The drafter's shape follows the target (it shares its embeddings and LM head); the variant's
-fields (DSpark, DFlash2) are checked against the target's config before anything is allocated.
+fields (Variant.drafter_fields) are checked against the target's config before anything is allocated.
 """
 
 from dflash_train.checkpoint.folders import check_matches_target, load_drafter
@@ -117,7 +117,7 @@ def init_drafter(target: Target, m: ModelConfig) -> DFlashDrafter:
     drafter, _ = load_drafter(m.init_from)
     check_matches_target(drafter.config, target)
     loaded, variant = drafter.config, VARIANTS[cfg.variant]
-    grow = loaded.variant in variant.grows_from  # a DFlash drafter under fresh DSpark heads / DFlash2 modules
+    grow = loaded.variant in variant.grows_from  # a DFlash drafter under the variant's fresh modules
     fields = [("num_layers", "num_hidden_layers"), ("block_size", "block_size"),
               ("target_layer_ids", "target_layer_ids"), ("mask_token", "mask_token_id"),
               ("block_attention", "block_attention"), ("variant", "variant"),

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from dflash_train.core.errors import UserError
 from dflash_train.core.paths import display_path, resolve_input
 from dflash_train.core.seeds import SEED_LIMIT
-from dflash_train.model.variants import VARIANTS
+from dflash_train.model.variants import VARIANTS, VariantName, variant_bases
 
 DEFAULT_RECIPE = "recipes/tiny.yaml"  # like every relative input: from the current folder, else the checkout
 # Keys that were replaced: an old recipe stops with one line naming the new key.
@@ -37,7 +37,8 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
-class ModelConfig(Section):
+class ModelKeys(Section):
+    """The model section's keys every variant reads; ModelConfig adds each variant's own."""
     target: str = "data/tiny-target"  # local folder or Hub id of the frozen target
     target_revision: str | None = None  # Hub revision (branch, tag or commit) of the target
     trust_remote_code: bool = False  # only for targets that need custom code
@@ -60,28 +61,12 @@ class ModelConfig(Section):
     # Start from an existing drafter (ours, Speculators or native DFlash; folder or Hub id).
     # Its shape must agree with the keys above.
     init_from: str | None = None
-    # variant: dflash; dspark = the DFlash backbone + DSpark's Markov logit-bias head (slot k
-    # conditioned on the token at slot k-1) and confidence head (dflash_train/model/variants/dspark.py);
-    # dflash2 = DFlash + local convolutions around each sublayer and a candidate selector that re-ranks
-    # each slot's unary top-K given the token before it (dflash_train/model/variants/dflash2.py); xpress =
-    # DFlash + a causal refiner that biases each slot's logits given the tokens before it, drafted by
-    # Jacobi passes (dflash_train/model/variants/xpress.py). Each variant reads only its keys.
-    variant: Literal["dflash", "dspark", "dflash2", "xpress"] = "dflash"
-    markov_rank: int = Field(256, ge=0)  # r of the bias W2(W1[x]); 0 = no Markov head (the backbone's logits)
-    markov_head_type: Literal["vanilla", "gated", "rnn"] = "vanilla"  # vLLM 0.33 serves vanilla only
-    # Train W1 as table + (target embedding) x P, folded into the table each step, so tokens rarely seen
-    # as predecessors (a tree's siblings) learn from tokens like them; served as the plain table
-    # (dflash_train/training/markov_embed.py). Single process or DDP.
-    markov_w1_embed: bool = False
-    confidence_head: bool = True  # predict each slot's acceptance rate (trained with loss.confidence_weight)
-    conv_kernel_size: int = Field(2, ge=1)  # dflash2: taps of each convolution (slot s reads s-k+1..s)
-    conv_group_size: int = Field(16, ge=1)  # dflash2: hidden channels sharing one dynamic kernel
-    selector_rank: int = Field(256, ge=1)  # dflash2: rank r of the selector's codebooks
-    selector_top_k: int = Field(16, ge=1)  # dflash2: unary candidates per slot the selector re-ranks
-    xpress_rank: int = Field(256, ge=1)  # xpress: the refiner's rank r (at most the target's hidden size)
-    xpress_mlp_ratio: int = Field(2, ge=1)  # xpress: the refiner's SwiGLU is r -> ratio * r -> r
-    # xpress: the chain's Jacobi passes at most (K; stops at a fixed point)
-    num_jacobi_passes: int = Field(6, ge=1)
+    # One of model/variants/ (VARIANTS): dflash, or a variant that adds modules to its backbone; each
+    # variant's keys (Variant.model_keys, loss_keys) are declared in its file and read by it alone.
+    variant: VariantName = "dflash"
+
+
+class ModelConfig(*variant_bases("model_keys"), ModelKeys):
     # Draft vocabulary (dflash_train/model/vocab.py): the drafter predicts over the N tokens most often
     # supervised in data.train (the stop tokens always among them) through the target's rows of them,
     # frozen; exported as speculators' lm_head / d2t / t2d. null = the target's whole vocabulary.
@@ -103,7 +88,8 @@ class DataConfig(Section):
 TermName = Literal["ce", "kl", "rkl", "jsd", "tv", "nla", "lk_hybrid"]
 
 
-class LossConfig(Section):
+class LossKeys(Section):
+    """The loss section's keys every variant reads; LossConfig adds each variant's own."""
     # Per-slot terms and their weights, summed (formulas in dflash_train/model/loss.py; p = target,
     # q = drafter): ce (to ce_labels), kl = KL(p||q), rkl = KL(q||p), jsd, tv = 1 - alpha,
     # nla = -log alpha, lk_hybrid. A term of weight 0 is computed and reported, not trained.
@@ -119,18 +105,9 @@ class LossConfig(Section):
     # Slots per chunk of the full-vocabulary loss (rounded down to whole blocks): bounds its
     # memory to a few [chunk_slots, V] fp32 tensors; 0 = the whole batch at once.
     chunk_slots: int = Field(512, ge=0)
-    # DSpark's confidence head: BCE toward the detached per-slot acceptance rate sum_v min(p_v, q_v)
-    confidence_weight: float = Field(1.0, ge=0)
-    # dflash2: weight of the selector's K-way candidate CE (slot-weighted like the terms)
-    selector_weight: float = Field(1.0, ge=0)
-    # xpress (speculators' defaults): the consistency rounds (each fed the previous round's argmax, the
-    # first the backbone's; their losses averaged) and their weight, and the weight of the backbone's own
-    # loss (the "base anchor"); each the same terms, slot weights and divisor as the teacher-forced pass.
-    # speculators' XPress recipe also sets terms {ce: 0.1, tv: 0.9}.
-    consistency_weight: float = Field(0.3, ge=0, allow_inf_nan=False)
-    consistency_passes: int = Field(3, ge=0)
-    base_anchor_weight: float = Field(0.6, ge=0, allow_inf_nan=False)
 
+
+class LossConfig(*variant_bases("loss_keys"), LossKeys):
     @model_validator(mode="after")
     def _some_loss(self):
         if not any(self.terms.values()):
@@ -213,15 +190,7 @@ class RunConfig(Section):
     @model_validator(mode="after")
     def _conditional_head_options_have_a_head(self):
         m = self.model
-        if m.markov_w1_embed and not (m.variant == "dspark" and m.markov_rank > 0):
-            raise ValueError("model.markov_w1_embed trains DSpark's Markov W1 (model.variant=dspark with "
-                             f"markov_rank > 0); model.variant={m.variant} with markov_rank {m.markov_rank} "
-                             "has none")
-        VARIANTS[m.variant].check_recipe(self)
-        if self.tree_distill.weight > 0 and not (m.variant == "dflash2"
-                                                 or (m.variant == "dspark" and m.markov_rank > 0)):
-            raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank "
-                             f"> 0, or dflash2); model.variant={m.variant} has none")
+        VARIANTS[m.variant].check_recipe(self)  # model.markov_w1_embed, tree_distill: a head to train
         if self.tree_distill.weight > 0 and m.draft_vocab_size is not None:
             raise ValueError("tree_distill scores nodes over the full vocabulary: it does not run with "
                              "model.draft_vocab_size; set one of them off")

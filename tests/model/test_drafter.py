@@ -293,3 +293,29 @@ def test_flex_training_forward_matches_sdpa(setup):
     drafter.flex_attention = False
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_drafter_config_and_its_schemas_gather_each_variants_fields():
+    """DrafterConfig, config.json's schema (DrafterFields, field for field, same defaults) and the Speculators
+    schema take each variant's fields from its file (Variant.drafter_keys, speculators_keys), in registry
+    order after the backbone's; the draft vocabulary last. recipe_fields: the keys the recipe names alike."""
+    from dflash_train.checkpoint.formats import BackboneFields, DrafterFields, SpeculatorsFile
+    from dflash_train.model.drafter import BackboneConfig, DrafterConfig
+    from dflash_train.model.variants import VARIANTS
+
+    variant_fields = [k for v in VARIANTS.values() if v.drafter_keys for k in v.drafter_keys.model_fields]
+    names = [f.name for f in dataclasses.fields(DrafterConfig)]
+    backbone = [f.name for f in dataclasses.fields(BackboneConfig)]
+    assert names == [*backbone, *variant_fields, "draft_vocab_size"]
+    assert list(DrafterFields.model_fields) == names and list(BackboneFields.model_fields) == backbone
+    for f in dataclasses.fields(DrafterConfig):
+        if f.default is not dataclasses.MISSING:
+            assert DrafterFields.model_fields[f.name].default == f.default, f.name
+    assert DrafterConfig.__dataclass_fields__["markov_rank"].default == 0  # off unless DSpark
+    for v in VARIANTS.values():
+        assert set(v.speculators_keys.model_fields if v.speculators_keys else ()) <= set(
+            SpeculatorsFile.model_fields)
+    assert {name: v.recipe_fields for name, v in VARIANTS.items()} == {
+        "dflash": (), "dspark": ("markov_rank", "markov_head_type", "confidence_head"),
+        "dflash2": ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"),
+        "xpress": ("xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes")}

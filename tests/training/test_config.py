@@ -141,3 +141,30 @@ def test_schedules_and_budgets_that_cannot_work_are_refused(overrides, fragment)
     # the same schedule that can run is fine
     load_recipe(ROOT / "recipes/tiny.yaml", ["model.variant=dflash2", "tree_distill.weight=1.0",
                                              "tree_distill.every=10", "max_steps=10"])
+
+
+def test_each_variants_keys_come_from_its_file_after_the_common_ones():
+    """ModelConfig and LossConfig gather each variant's model_keys / loss_keys (declared in its file, with
+    their recipe defaults) after the keys every variant reads, in registry order: the saved recipe's order."""
+    from dflash_train.model.variants import VARIANTS
+    from dflash_train.training.config import LossConfig, LossKeys, ModelConfig, ModelKeys
+
+    for config, core, part in [(ModelConfig, ModelKeys, "model_keys"), (LossConfig, LossKeys, "loss_keys")]:
+        theirs = [k for v in VARIANTS.values() if getattr(v, part) for k in getattr(v, part).model_fields]
+        own = [k for k in config.model_fields if k not in core.model_fields and k not in theirs]
+        assert list(config.model_fields) == [*core.model_fields, *theirs, *own]
+        for v in VARIANTS.values():
+            for k, f in (getattr(v, part).model_fields.items() if getattr(v, part) else ()):
+                assert getattr(config(), k) == f.default
+    assert list(ModelConfig.model_fields)[-1] == "draft_vocab_size"
+    assert ModelConfig().markov_rank == 256 and LossConfig().consistency_passes == 3  # recipe defaults
+    with pytest.raises(UserError, match=r"'model.markov_rank': Input should be greater than or equal to 0"):
+        load_recipe(ROOT / "recipes/tiny.yaml", ["model.markov_rank=-1"])  # a variant's key keeps its bounds
+    with pytest.raises(UserError, match="unknown key 'model.markov_rnk'"):
+        load_recipe(ROOT / "recipes/tiny.yaml", ["model.markov_rnk=4"])
+
+
+def test_the_variant_is_one_of_the_registry():
+    with pytest.raises(UserError, match=r"^recipe '.*': 'model.variant': Input should be 'dflash', 'dspark', "
+                                        r"'dflash2' or 'xpress' \(got 'eagle'\)$"):
+        load_recipe(ROOT / "recipes/tiny.yaml", ["model.variant=eagle"])

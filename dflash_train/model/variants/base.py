@@ -11,9 +11,10 @@ from the backbone's marginals, no fields of its own.
                   side_optimizer, heads_outside_forward
     validation    cpu_tree_scorer, validation_count_size, validation_counts, validation_entries,
                   validation_record
+    fields        model_keys, loss_keys, drafter_keys, speculators_keys (declared once, in its file)
     recipes       drafter_fields, recipe_fields, grows_from, grown, check_recipe
-    checkpoints   check, draft_vocab, from_speculators, speculators_fields, speculators_config_class,
-                  native_refusal
+    checkpoints   check, check_speculators, draft_vocab, from_speculators, speculators_fields,
+                  speculators_config_class, native_refusal
     export        display_name, card_algorithm, card_vllm, card_limitations, card_training,
                   card_training_notes
     evaluation    cost_key
@@ -23,11 +24,17 @@ reads it at slot 0; the other variants ignore it.
 """
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+from pydantic import BaseModel, Field
 from torch import nn
 
 from dflash_train.core.errors import UserError
+
+# config.json's counts: a size (at least 1), an index or a count that may be 0 (checkpoint/formats.py's too)
+Size = Annotated[int, Field(ge=1)]
+Index = Annotated[int, Field(ge=0)]
 
 
 @dataclass
@@ -65,9 +72,15 @@ def cpu_copy(module: nn.Module, copy: nn.Module) -> nn.Module:
 class Variant:
     name = "dflash"
     display_name = "DFlash"  # the model card's name for it
-    # DrafterConfig fields of this variant (same names in the recipe's model section); model.init_from
-    # refuses a drafter whose fields differ from the recipe's
-    recipe_fields: tuple[str, ...] = ()
+    # Its fields, each a pydantic model declared in its file (None: none; DFlash's are the backbone's): the
+    # recipe's model and loss sections' keys with their recipe defaults (training/config.py's ModelConfig and
+    # LossConfig inherit them), the drafter's config fields with their defaults when another variant is
+    # drafted (DrafterConfig in model/drafter.py, config.json's `drafter` in checkpoint/formats.py) and its
+    # keys of a Speculators config.json (speculators' names; absent: speculators' defaults).
+    model_keys: type[BaseModel] | None = None
+    loss_keys: type[BaseModel] | None = None
+    drafter_keys: type[BaseModel] | None = None
+    speculators_keys: type[BaseModel] | None = None
     # variants whose drafter may start this one (model.init_from), and the state-dict prefixes of the
     # modules it then adds fresh (DFlash2's convolutions too, at the identity: they are checked apart)
     grows_from: tuple[str, ...] = ()
@@ -186,8 +199,33 @@ class Variant:
 
     # --- recipes ------------------------------------------------------------------------------------
 
+    @property
+    def recipe_fields(self) -> tuple[str, ...]:
+        """DrafterConfig fields of this variant that the recipe's model section names alike; model.init_from
+        refuses a drafter whose fields differ from the recipe's."""
+        if self.model_keys is None or self.drafter_keys is None:
+            return ()
+        return tuple(k for k in self.model_keys.model_fields if k in self.drafter_keys.model_fields)
+
     def check_recipe(self, cfg) -> None:
-        """What this variant refuses of a whole recipe (RunConfig; raises ValueError, one line)."""
+        """What this variant refuses of a whole recipe (RunConfig; raises ValueError, one line). DFlash has
+        none of the heads that model.markov_w1_embed and tree_distill train."""
+        self.refuse_markov_w1_embed(cfg)
+        self.refuse_tree_distill(cfg)
+
+    def refuse_markov_w1_embed(self, cfg) -> None:
+        """model.markov_w1_embed without DSpark's Markov W1 (any variant but DSpark with markov_rank > 0)."""
+        m = cfg.model
+        if m.markov_w1_embed:
+            raise ValueError("model.markov_w1_embed trains DSpark's Markov W1 (model.variant=dspark with "
+                             f"markov_rank > 0); model.variant={m.variant} with markov_rank {m.markov_rank} "
+                             "has none")
+
+    def refuse_tree_distill(self, cfg) -> None:
+        """tree_distill without a path-conditioned head it trains (training/tree_distill.py)."""
+        if cfg.tree_distill.weight > 0:
+            raise ValueError("tree_distill trains a conditional head (model.variant=dspark with markov_rank "
+                             f"> 0, or dflash2); model.variant={cfg.model.variant} has none")
 
     def drafter_fields(self, m, tc) -> dict:
         """This variant's part of a DrafterConfig from the recipe's model section `m`, checked against
@@ -198,6 +236,10 @@ class Variant:
 
     def check(self, fields) -> None:
         """What this variant needs of a drafter config.json's fields (raises ValueError)."""
+
+    def check_speculators(self, config) -> None:
+        """What this variant needs of a Speculators config.json's fields (formats.SpeculatorsFile; raises
+        ValueError)."""
 
     def from_speculators(self, config: dict) -> dict:
         """This variant's DrafterConfig fields from a Speculators config.json. dflash-train drafts B-1

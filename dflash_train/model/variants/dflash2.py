@@ -27,11 +27,12 @@ node's children by the selector given the node's own token (`SelectorScorer`, fo
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, Field
 from torch import nn
 
 from dflash_train.core.errors import UserError
 from dflash_train.model.loss import slot_weights, until_first_failure
-from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy
+from dflash_train.model.variants.base import ChainDraft, Index, Size, Variant, cpu_copy
 
 # speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
 SPECULATORS_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
@@ -295,11 +296,50 @@ class SelectorScorer:
         return expand, self.bonus, None
 
 
+# --- DFlash2's fields (Variant.model_keys, loss_keys, drafter_keys, speculators_keys) --------------------
+
+class DFlash2ModelKeys(BaseModel):
+    """The recipe's model section: model.variant=dflash2 = DFlash + local convolutions around each sublayer
+    and a candidate selector that re-ranks each slot's unary top-K given the token before it."""
+    conv_kernel_size: int = Field(2, ge=1)  # taps of each convolution (slot s reads s-k+1..s)
+    conv_group_size: int = Field(16, ge=1)  # hidden channels sharing one dynamic kernel
+    selector_rank: int = Field(256, ge=1)  # rank r of the selector's codebooks
+    selector_top_k: int = Field(16, ge=1)  # unary candidates per slot the selector re-ranks
+
+
+class DFlash2LossKeys(BaseModel):
+    # weight of the selector's K-way candidate CE (slot-weighted like the terms)
+    selector_weight: float = Field(1.0, ge=0)
+
+
+class DFlash2DrafterKeys(BaseModel):
+    """DrafterConfig's (0 for other variants): taps of each local convolution, hidden channels sharing one
+    dynamic kernel, and the candidate selector's rank and candidates per slot."""
+    conv_kernel_size: Index = 0
+    conv_group_size: Index = 0
+    selector_rank: Index = 0
+    selector_top_k: Index = 0
+
+
+class DFlash2SpeculatorsKeys(BaseModel):
+    conv_kernel_size: Size | None = None
+    conv_group_size: Size | None = None
+    selector_rank: Size | None = None
+    selector_top_k: Size | None = None
+
+
+def check_top_k(top_k: int | None, vocab: int) -> None:
+    """The selector's candidates come from the vocabulary."""
+    if top_k is not None and top_k > vocab:
+        raise ValueError(f"selector_top_k {top_k} exceeds the vocabulary ({vocab}): at most {vocab}")
+
+
 class DFlash2(Variant):
     """The variant: local convolutions in every layer, the selector's chain and tree, and DFlash2's fields."""
     name = "dflash2"
     display_name = "DFlash2"
-    recipe_fields = tuple(SPECULATORS_DEFAULTS)  # conv_kernel_size, conv_group_size, selector_rank, _top_k
+    model_keys, loss_keys, drafter_keys = DFlash2ModelKeys, DFlash2LossKeys, DFlash2DrafterKeys
+    speculators_keys = DFlash2SpeculatorsKeys
     grows_from = ("dflash",)
     grown = ("candidate_selector.",)
     draft_vocab = False
@@ -362,6 +402,9 @@ class DFlash2(Variant):
         drafter.candidate_selector = CandidateSelector(config.vocab_size, config.hidden_size,
                                                        config.selector_rank, config.selector_top_k)
 
+    def check_recipe(self, cfg) -> None:
+        self.refuse_markov_w1_embed(cfg)  # tree_distill trains its selector
+
     def drafter_fields(self, m, tc) -> dict:
         if tc.hidden_size % m.conv_group_size:
             raise UserError(f"model.conv_group_size {m.conv_group_size} does not divide the target's hidden "
@@ -381,6 +424,10 @@ class DFlash2(Variant):
         for k in self.recipe_fields:
             if getattr(fields, k) < 1:
                 raise ValueError(f"a dflash2 drafter needs {k} >= 1, got {getattr(fields, k)}")
+        check_top_k(fields.selector_top_k, fields.vocab_size)
+
+    def check_speculators(self, config) -> None:
+        check_top_k(config.selector_top_k, config.transformer_layer_config.vocab_size)
 
     def from_speculators(self, config: dict) -> dict:
         """Its full vocabulary is checked (speculators' DFlash2 requires it too)."""

@@ -23,15 +23,17 @@ markov_head.{markov_w1, markov_w2, gate_proj, joint_proj}.*, confidence_head.pro
 """
 
 import json
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, Field
 from torch import nn
 
 from dflash_train.core.errors import UserError
 from dflash_train.model.loss import exp_weights
-from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy, kept_ids, w2_rows
+from dflash_train.model.variants.base import ChainDraft, Index, Variant, cpu_copy, kept_ids, w2_rows
 from dflash_train.model.variants.markov_embed import SharedW1
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -357,11 +359,47 @@ def tree_vectors(head: MarkovHead, tokens: torch.Tensor, depths: torch.Tensor, p
     return torch.stack(u)
 
 
+# --- DSpark's fields (Variant.model_keys, loss_keys, drafter_keys, speculators_keys) ---------------------
+
+class DSparkModelKeys(BaseModel):
+    """The recipe's model section: model.variant=dspark = the DFlash backbone + the Markov logit-bias head
+    (slot k conditioned on the token at slot k-1) and the confidence head."""
+    markov_rank: int = Field(256, ge=0)  # r of the bias W2(W1[x]); 0 = no Markov head (the backbone's logits)
+    markov_head_type: Literal[HEAD_TYPES] = "vanilla"  # vLLM 0.33 serves vanilla only
+    # Train W1 as table + (target embedding) x P, folded into the table each step, so tokens rarely seen
+    # as predecessors (a tree's siblings) learn from tokens like them; served as the plain table
+    # (dflash_train/model/variants/markov_embed.py). Single process or DDP.
+    markov_w1_embed: bool = False
+    confidence_head: bool = True  # predict each slot's acceptance rate (trained with loss.confidence_weight)
+
+
+class DSparkLossKeys(BaseModel):
+    # DSpark's confidence head: BCE toward the detached per-slot acceptance rate sum_v min(p_v, q_v)
+    confidence_weight: float = Field(1.0, ge=0)
+
+
+class DSparkDrafterKeys(BaseModel):
+    """DrafterConfig's: the Markov head of rank markov_rank (0: none) and the confidence head, whose input
+    includes the Markov embedding when confidence_head_with_markov (off for other variants)."""
+    markov_rank: Index = 0
+    markov_head_type: Literal[HEAD_TYPES] = "vanilla"
+    confidence_head: bool = False
+    confidence_head_with_markov: bool = False
+
+
+class DSparkSpeculatorsKeys(BaseModel):
+    markov_rank: Index | None = None
+    markov_head_type: Literal[HEAD_TYPES] | None = None
+    enable_confidence_head: bool | None = None
+    confidence_head_with_markov: bool | None = None
+
+
 class DSpark(Variant):
     """The variant: the heads after the backbone, the Markov chain and tree, and DSpark's fields."""
     name = "dspark"
     display_name = "DSpark"
-    recipe_fields = ("markov_rank", "markov_head_type", "confidence_head")
+    model_keys, loss_keys, drafter_keys = DSparkModelKeys, DSparkLossKeys, DSparkDrafterKeys
+    speculators_keys = DSparkSpeculatorsKeys
     grows_from = ("dflash",)
     grown = ("markov_head.", "confidence_head.")
     # a draft vocabulary: W2 is [N, r] over it (speculators'), W1 stays [V, r] (it reads target ids)
@@ -464,6 +502,10 @@ class DSpark(Variant):
         if "confidence" not in val:
             return {}
         return {"val_confidence": {k: [round(x, 4) for x in v] for k, v in val["confidence"].items()}}
+
+    def check_recipe(self, cfg) -> None:
+        if cfg.model.markov_rank == 0:  # no Markov head: refused as for DFlash
+            super().check_recipe(cfg)
 
     def drafter_fields(self, m, tc) -> dict:
         if m.markov_rank > tc.vocab_size:  # W2(W1[x]) is a V x V bias: its rank is at most V

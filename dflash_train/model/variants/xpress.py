@@ -32,10 +32,11 @@ XPressDraftModel as it is. vLLM's PR reads other names (xpress_head.*): see the 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, Field
 from torch import nn
 
 from dflash_train.core.errors import UserError
-from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy, kept_ids, w2_rows
+from dflash_train.model.variants.base import ChainDraft, Index, Size, Variant, cpu_copy, kept_ids, w2_rows
 from dflash_train.model.variants.dspark import TREE_CANDIDATES, _Candidates, _rows
 
 # speculators' defaults (models/xpress/config.py)
@@ -211,11 +212,46 @@ class _RefineStep:
         return c + self.down @ (g / (1.0 + np.exp(-g)) * (self.up @ c)), path
 
 
+# --- XPress's fields (Variant.model_keys, loss_keys, drafter_keys, speculators_keys) ---------------------
+
+class XPressModelKeys(BaseModel):
+    """The recipe's model section: model.variant=xpress = DFlash + a causal refiner that biases each slot's
+    logits given the tokens before it, drafted by Jacobi passes."""
+    xpress_rank: int = Field(256, ge=1)  # the refiner's rank r (at most the target's hidden size)
+    xpress_mlp_ratio: int = Field(2, ge=1)  # the refiner's SwiGLU is r -> ratio * r -> r
+    num_jacobi_passes: int = Field(6, ge=1)  # the chain's Jacobi passes at most (K; stops at a fixed point)
+
+
+class XPressLossKeys(BaseModel):
+    # speculators' defaults: the consistency rounds (each fed the previous round's argmax, the first the
+    # backbone's; their losses averaged) and their weight, and the weight of the backbone's own loss (the
+    # "base anchor"); each the same terms, slot weights and divisor as the teacher-forced pass.
+    # speculators' XPress recipe also sets terms {ce: 0.1, tv: 0.9}.
+    consistency_weight: float = Field(0.3, ge=0, allow_inf_nan=False)
+    consistency_passes: int = Field(3, ge=0)
+    base_anchor_weight: float = Field(0.6, ge=0, allow_inf_nan=False)
+
+
+class XPressDrafterKeys(BaseModel):
+    """DrafterConfig's (0 for other variants): the refiner's rank and SwiGLU ratio, and the Jacobi passes of
+    its chain at most (speculators' names)."""
+    xpress_rank: Index = 0
+    xpress_mlp_ratio: Index = 0
+    num_jacobi_passes: Index = 0
+
+
+class XPressSpeculatorsKeys(BaseModel):
+    xpress_rank: Size | None = None
+    xpress_mlp_ratio: Size | None = None
+    num_jacobi_passes: Size | None = None
+
+
 class XPress(Variant):
     """The variant: the refiner after the backbone, its Jacobi chain and exact tree, its fields and loss."""
     name = "xpress"
     display_name = "XPress"
-    recipe_fields = ("xpress_rank", "xpress_mlp_ratio", "num_jacobi_passes")
+    model_keys, loss_keys, drafter_keys = XPressModelKeys, XPressLossKeys, XPressDrafterKeys
+    speculators_keys = XPressSpeculatorsKeys
     grows_from = ("dflash",)
     grown = ("refiner_head.",)
     # a draft vocabulary: the readout is [N, r] over it (speculators'), the token embedding stays [V, r]
@@ -291,6 +327,7 @@ class XPress(Variant):
         return total, {**m, "terms": torch.cat([m["terms"], extra])}
 
     def check_recipe(self, cfg) -> None:
+        self.refuse_markov_w1_embed(cfg)
         if cfg.tree_distill.weight > 0:
             raise ValueError("tree_distill is not implemented for model.variant=xpress (no path-conditioned "
                              "node scores in training): set tree_distill.weight=0")

@@ -27,10 +27,9 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from dflash_train.core.errors import UserError
-from dflash_train.core.schema import Open, Strict, validated
+from dflash_train.core.schema import Index, Open, Size, Strict, validated
 from dflash_train.model.drafter import DrafterConfig
 from dflash_train.model.variants import VARIANTS, VariantName, variant_bases
-from dflash_train.model.variants.base import Index, Size
 
 OURS, SPECULATORS, NATIVE = "dflash-train", "speculators", "dflash"
 
@@ -257,7 +256,7 @@ def _speculators_draft_vocab(config: dict) -> int | None:
     if size > vocab:
         raise UserError(f"Speculators config has draft_vocab_size {size} above the verifier's vocabulary "
                         f"({vocab})")
-    return size  # below it: DSpark and DFlash2 refuse it in their from_speculators
+    return size  # below it: a variant without one (DFlash2) refuses it in its from_speculators
 
 
 def speculators_config(cfg: DrafterConfig, verifier: str, verifier_architectures: list[str], pin: dict,

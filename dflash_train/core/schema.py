@@ -5,10 +5,16 @@ manifests in data/hs_cache.py, trainer state in checkpoint/folders.py)."""
 
 import json
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dflash_train.core.errors import UserError
+
+
+# config.json's counts: a size (at least 1), an index or a count that may be 0
+Size = Annotated[int, Field(ge=1)]
+Index = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):

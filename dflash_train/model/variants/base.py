@@ -24,17 +24,12 @@ reads it at slot 0; the other variants ignore it.
 """
 
 from dataclasses import dataclass
-from typing import Annotated
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 from torch import nn
 
 from dflash_train.core.errors import UserError
-
-# config.json's counts: a size (at least 1), an index or a count that may be 0 (checkpoint/formats.py's too)
-Size = Annotated[int, Field(ge=1)]
-Index = Annotated[int, Field(ge=0)]
 
 
 @dataclass

@@ -32,7 +32,8 @@ from torch import nn
 
 from dflash_train.core.errors import UserError
 from dflash_train.model.loss import slot_weights, until_first_failure
-from dflash_train.model.variants.base import ChainDraft, Index, Size, Variant, cpu_copy
+from dflash_train.core.schema import Index, Size
+from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy
 
 # speculators' DFlash2SpeculatorConfig defaults, for configs that omit a field
 SPECULATORS_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,

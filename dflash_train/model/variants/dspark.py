@@ -33,7 +33,8 @@ from torch import nn
 
 from dflash_train.core.errors import UserError
 from dflash_train.model.loss import exp_weights
-from dflash_train.model.variants.base import ChainDraft, Index, Variant, cpu_copy, kept_ids, w2_rows
+from dflash_train.core.schema import Index
+from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy, kept_ids, w2_rows
 from dflash_train.model.variants.markov_embed import SharedW1
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")

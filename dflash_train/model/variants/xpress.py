@@ -36,7 +36,8 @@ from pydantic import BaseModel, Field
 from torch import nn
 
 from dflash_train.core.errors import UserError
-from dflash_train.model.variants.base import ChainDraft, Index, Size, Variant, cpu_copy, kept_ids, w2_rows
+from dflash_train.core.schema import Index, Size
+from dflash_train.model.variants.base import ChainDraft, Variant, cpu_copy, kept_ids, w2_rows
 from dflash_train.model.variants.dspark import TREE_CANDIDATES, _Candidates, _rows
 
 # speculators' defaults (models/xpress/config.py)

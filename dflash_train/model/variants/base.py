@@ -83,11 +83,19 @@ class Variant:
     # whether it can draft in a draft vocabulary (model/vocab.py); DFlash2 cannot: its selector's
     # successor codebook is a [V, r] table over the full vocabulary, and speculators refuses one
     draft_vocab = True
-    # why the native DFlash format (z-lab's config.json) cannot hold this drafter; None: it can
-    native_refusal: str | None = None
+    # why the native DFlash format (z-lab's config.json) cannot hold this drafter (a class attribute in a
+    # variant's file); None: it can. The native format holds the plain backbone only, so a variant that
+    # does not say is refused (native_refusal below), rather than exported without its own weights.
     # whether its heads run after the backbone's forward (and their weights are used inside the loss),
     # outside any sharded unit's forward: FSDP must then keep parameters unsharded, ZeRO-3 cannot serve it
     heads_outside_forward = False
+
+    @property
+    def native_refusal(self) -> str | None:
+        if type(self) is Variant:  # plain DFlash: the native format is its own
+            return None
+        return (f"the native DFlash format holds the plain DFlash backbone only: export a "
+                f"{self.display_name} drafter with --format speculators")
 
     # --- decoding ---------------------------------------------------------------------------------
 

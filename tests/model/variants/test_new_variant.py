@@ -173,3 +173,18 @@ def test_a_new_variant_is_one_file_plus_its_registry_entry(tmp_path, small_data)
     assert lines["trained"] == "True"  # the loss's logit bias reached the zero-initialised slot_embed
     calls, n, same = lines["decode"].split()
     assert calls == "True" and int(n) > 0 and same == "True", lines["decode"]  # the toy chain, lossless
+
+
+def test_a_variant_that_does_not_say_is_refused_by_the_native_format():
+    """The native DFlash format holds the plain backbone only: a variant without its own native_refusal is
+    refused there (rather than exported without its weights); plain DFlash is not; the four keep theirs."""
+    from dflash_train.model.variants import VARIANTS
+    from dflash_train.model.variants.base import Variant
+
+    class Quiet(Variant):
+        name, display_name = "quiet", "Quiet"
+
+    assert Variant().native_refusal is None and VARIANTS["dflash"].native_refusal is None
+    assert "export a Quiet drafter with --format speculators" in Quiet().native_refusal
+    for name in ("dspark", "dflash2", "xpress"):
+        assert VARIANTS[name].display_name in VARIANTS[name].native_refusal

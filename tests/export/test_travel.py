@@ -13,7 +13,6 @@ from dflash_train.checkpoint.folders import drafter_fingerprint, load_drafter
 from dflash_train.cli.eval import main as eval_main
 from dflash_train.cli.export import main as export_main
 from dflash_train.core.outputs import MARKER
-from dflash_train.export.writer import round_to_bf16
 from dflash_train.model import target as target_module
 from helpers.reports import fake_report
 
@@ -93,23 +92,6 @@ def test_any_clone_finds_its_conversion_by_the_pin(converted, trained_drafter_di
     rc, _, err = run_main(export_main, ["--format", "speculators", "--checkpoint", moved, "--output",
                                         tmp_path / "again2"])
     assert rc == 2 and "--verifier" in error_line(err) and not (tmp_path / "again2").exists()
-
-
-def test_a_bf16_export_takes_only_reports_of_its_rounded_weights(trained_drafter_dir, tmp_path):
-    drafter = load_drafter(trained_drafter_dir)[0]
-    fp32 = round_to_bf16(drafter)
-    rounded = drafter_fingerprint(drafter)
-    assert fp32 != rounded
-    for name, fingerprint in [("fp32", fp32), ("bf16", rounded)]:
-        (tmp_path / f"{name}.json").write_text(json.dumps(fake_report(fingerprint)))
-    args = ["--format", "speculators", "--checkpoint", trained_drafter_dir, "--dtype", "bf16"]
-    rc, _, err = run_main(export_main, [*args, "--eval-report", tmp_path / "fp32.json", "--output",
-                                        tmp_path / "a"])
-    assert rc == 2 and "fp32 weights" in error_line(err) and not (tmp_path / "a").exists()
-    rc, _, err = run_main(export_main, [*args, "--eval-report", tmp_path / "bf16.json", "--output",
-                                        tmp_path / "b"])
-    assert rc == 0, err
-    assert drafter_fingerprint(load_drafter(tmp_path / "b")[0]) == rounded  # what its report measured
 
 
 def test_the_committed_drafter_names_its_verifier_as_the_hub_would():

@@ -236,7 +236,7 @@ def model_card(fmt: str, cfg, pin: dict, verifier: str, mask_token: str, params:
     return ModelCard.from_template(
         card_data, template_path=str(TEMPLATE), title=f"{variant.display_name} drafter for {verifier}",
         algorithm=variant.display_name, algorithm_text=variant.card_algorithm(cfg),
-        # "An XPress drafter": the names are spoken letter-first where they start with a vowel sound
+        # "An" before a name spoken from a vowel sound (a leading X reads "ex")
         article="An" if variant.display_name[0] in "AEIOUX" else "A",
         verifier=verifier,
         verifier_md=(f"[`{hub_verifier}`](https://huggingface.co/{hub_verifier})" if hub_verifier

@@ -78,17 +78,21 @@ fi
 if [ "$stage" = eval ]; then
   # T=0: the chain and DDTree at T0_BUDGETS for every arm; T=1: the chain and T1_BUDGETS for the arms in T1
   # (the committed card's budgets are 3,4,8,16,64 and 3,4,8: fewer here, four arms share two cores)
+  # SUITES: the prompt suites (fewer when CPU time is short); an arm stopped early (no summary.json) is
+  # evaluated at DRAFTER_<name> (a training checkpoint, e.g. runs/variants/dspark/checkpoints/step_001200)
   T0_BUDGETS=${T0_BUDGETS:-3,64}; T1_BUDGETS=${T1_BUDGETS:-3,8}; T1=${T1:-}
+  SUITES=${SUITES:-"mtbench gsm8k humaneval"}
   evaluate() {  # name temperature budgets
-    local out=$OUT/eval-$1-t$2
+    local out=$OUT/eval-$1-t$2 drafter=DRAFTER_$1
     [ -f $out/report.json ] && return
-    $BIN/dflash-eval --drafter $OUT/$1/final --suite mtbench --suite gsm8k --suite humaneval --limit 8 \
+    $BIN/dflash-eval --drafter ${!drafter:-$OUT/$1/final} $(printf -- "--suite %s " $SUITES) --limit 8 \
       --max-new-tokens 128 --budgets $3 --temperature $2 --target-dtype fp32 --output $out --overwrite \
       > $out.log 2>&1
   }
   for arm in $ARMS; do
-    name=${arm%%:*}
-    [ -f $OUT/$name/summary.json ] || { echo "$name: not trained yet (no $OUT/$name/summary.json)"; continue; }
+    name=${arm%%:*}; drafter=DRAFTER_$name
+    [ -f $OUT/$name/summary.json ] || [ -n "${!drafter:-}" ] || {
+      echo "$name: not trained yet (no $OUT/$name/summary.json)"; continue; }
     evaluate $name 0 $T0_BUDGETS &
     while [ "$(jobs -rp | wc -l)" -ge 2 ]; do wait -n; done
     case " $T1 " in *" $name "*) evaluate $name 1 $T1_BUDGETS & ;; esac

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -68,18 +69,27 @@ def suite_rows(report: dict) -> dict:
 
 
 def arm_row(runs: Path, name: str) -> dict | None:
+    """A finished arm (summary.json), or one stopped early whose training checkpoint was evaluated (its
+    step from the evaluated folder's name, its validation from metrics.jsonl at that step)."""
     summary = read(runs / name / "summary.json")
-    if summary is None:
+    reports = {t: read(runs / f"eval-{name}-{t}" / "report.json") for t in ("t0", "t1")}
+    if summary is not None:
+        steps, val = summary["steps"], {k: summary["eval"][k] for k in ("eal", "ddtree_tau")}
+    elif any(reports.values()):
+        drafter = next(r for r in reports.values() if r)["drafter"]
+        steps = int(re.search(r"step_(\d+)", drafter).group(1))
+        records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+        r = next(r for r in records if r.get("step") == steps and "val_eal" in r)
+        val = {"eal": r["val_eal"], "ddtree_tau": r["val_ddtree_tau"]}
+    else:
         return None
     sps = s_per_step(runs, name)
-    row = {"arm": name, "s_per_step": sps, "steps": summary["steps"],
-           "cpu_min": None if sps is None else sps * summary["steps"] / 60,
-           "val": {k: summary["eval"][k] for k in ("eal", "ddtree_tau")}}
-    for t in ("t0", "t1"):
-        rep = read(runs / f"eval-{name}-{t}" / "report.json")
+    row = {"arm": name, "s_per_step": sps, "steps": steps, "stopped_early": summary is None,
+           "cpu_min": None if sps is None else sps * steps / 60, "val": val}
+    for t, rep in reports.items():
         if rep is not None:
-            row[t] = {"command": rep["command"], "budgets": rep["budgets"], "suites": suite_rows(rep),
-                      "results": rep["results"]}
+            row[t] = {"command": rep["command"], "drafter": rep["drafter"], "budgets": rep["budgets"],
+                      "suites": suite_rows(rep), "results": rep["results"]}
     return row
 
 
@@ -102,7 +112,8 @@ def tables(rows: list[dict]) -> str:
              " | ".join(f"{s} chain tau / DDTree@64 / best T=0 speedup" for s in SUITES) + " | lossless |",
              "|---" * (5 + len(SUITES)) + "|"]
     for r in rows:
-        head = (f"| {NAMES[r['arm']]} | {r['s_per_step']:.2f} | {r['steps']} ({r['cpu_min']:.0f}) | "
+        name = NAMES[r["arm"]] + (" (stopped early)" if r.get("stopped_early") else "")
+        head = (f"| {name} | {r['s_per_step']:.2f} | {r['steps']} ({r['cpu_min']:.0f}) | "
                 f"{r['val']['eal']:.2f} / {r['val']['ddtree_tau'].get('64', float('nan')):.2f} | "
                 if "steps" in r else f"| {NAMES[r['arm']]} | | | | ")
         cells, lossless = [], True

@@ -75,11 +75,14 @@ def arm_row(runs: Path, name: str) -> dict | None:
     reports = {t: read(runs / f"eval-{name}-{t}" / "report.json") for t in ("t0", "t1")}
     if summary is not None:
         steps, val = summary["steps"], {k: summary["eval"][k] for k in ("eal", "ddtree_tau")}
-    elif any(reports.values()):
-        drafter = next(r for r in reports.values() if r)["drafter"]
-        steps = int(re.search(r"step_(\d+)", drafter).group(1))
+    elif (runs / name / "metrics.jsonl").is_file():  # stopped early: the evaluated or last validated step
         records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
-        r = next(r for r in records if r.get("step") == steps and "val_eal" in r)
+        validated = [r for r in records if "val_eal" in r]
+        if not validated:
+            return None
+        drafter = next((r["drafter"] for r in reports.values() if r), None)
+        steps = int(re.search(r"step_(\d+)", drafter).group(1)) if drafter else validated[-1]["step"]
+        r = next(r for r in validated if r["step"] == steps)
         val = {"eal": r["val_eal"], "ddtree_tau": r["val_ddtree_tau"]}
     else:
         return None
@@ -125,7 +128,8 @@ def tables(rows: list[dict]) -> str:
             lossless &= x["lossless"]
             tree = x["ddtree_tau"].get("64", float("nan"))
             cells.append(f"{x['chain_tau']:.2f} / {tree:.2f} / {fmt_best(x)}")
-        lines.append(head + " | ".join(cells) + f" | {'yes' if lossless else 'NO'} |")
+        judged = "t0" in r  # an arm without decodes has nothing to judge
+        lines.append(head + " | ".join(cells) + f" | {('yes' if lossless else 'NO') if judged else ''} |")
     lines += ["", "| arm (T=1) | " + " | ".join(f"{s} chain tau / best speedup" for s in SUITES) + " |",
               "|---" * (1 + len(SUITES)) + "|"]
     for r in rows:

@@ -167,9 +167,18 @@ def full_optimizer_state(accelerator: Accelerator, model, opt: torch.optim.Optim
 
 
 def load_optimizer_state(accelerator: Accelerator, model, opt: torch.optim.Optimizer, state: dict) -> None:
-    """Every process reads the full state; each keeps its shard (FSDP) or all of it."""
-    set_optimizer_state_dict(accelerator.unwrap_model(model), opt, state,
-                             options=StateDictOptions(full_state_dict=True))
+    """Every process reads the full state; each keeps its shard (FSDP) or all of it.
+
+    AdamW makes a parameter's state at its first gradient, so a parameter that had none before the
+    checkpoint (a head whose loss had not started, or never ran) has nothing saved: it must start fresh,
+    as in the run that was never stopped. Not strict for that alone: the weights were loaded strictly."""
+    model = accelerator.unwrap_model(model)
+    set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True, strict=False))
+    # torch's loader gave such a parameter a zero state at step 1 (its one step of zero gradients): drop
+    # it, or its first real step would be bias-corrected as a second
+    for name, p in model.named_parameters():
+        if p.requires_grad and name not in state["state"]:
+            opt.state.pop(p, None)
 
 
 def grad_norm_of(model, engine: str, clipped) -> float | None:

@@ -41,6 +41,16 @@ import tinychat  # noqa: E402
 from dflash_train.model.target import load_target  # noqa: E402
 
 
+@pytest.fixture
+def one_thread():
+    """The tiny target tokenizes and decodes far faster on one thread than on a few busy cores
+    (pytestmark = pytest.mark.usefixtures("one_thread") in a module that prepares or decodes a lot)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return load_target(str(TINY_TARGET))

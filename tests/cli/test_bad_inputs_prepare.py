@@ -7,7 +7,6 @@ regeneration says how to continue, and the rerun resumes."""
 import json
 
 import pytest
-import torch
 
 from conftest import ROOT, TINY_TARGET
 from dflash_train.cli import prepare
@@ -17,12 +16,7 @@ from dflash_train.data.prepare import fit_positions
 from helpers.prepare_cli import argv, refused, rows
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tree(folder):

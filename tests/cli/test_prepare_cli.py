@@ -12,12 +12,7 @@ from dflash_train.cli import prepare
 from helpers.prepare_cli import argv, refused, rows
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("extra, says", [

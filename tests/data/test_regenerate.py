@@ -4,7 +4,6 @@ import json
 from dataclasses import replace
 
 import pytest
-import torch
 from datasets import load_from_disk
 
 from conftest import ROOT, TINY_TARGET
@@ -21,13 +20,7 @@ GREEDY = Sampling(backend="transformers", temperature=0.0, top_p=1.0, max_new_to
                   enable_thinking=False, keep_truncated=True)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tiny target decodes far faster on one thread than on a few busy cores."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_conversations(n: int) -> list[list[dict]]:

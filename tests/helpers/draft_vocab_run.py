@@ -60,3 +60,27 @@ def reference_vocab(small_data: Path, size: int, split: str = "train") -> tuple[
             kept.add(pad)
         pad += 1
     return sorted(kept), counts
+
+
+def assert_lossless_in_draft_vocab(tiny_target, drafter, method: str, budget: int, questions,
+                                   monkeypatch) -> None:
+    """Decoding with a draft-vocabulary drafter gives plain decoding's tokens, and every tree it verifies
+    holds draft-vocabulary tokens with finite scores (trees spied on at decode.verify)."""
+    import torch
+
+    import dflash_train.decoding.decode as decode_module
+    from conftest import chat_prompt
+    from dflash_train.data.dataset import stop_token_ids
+
+    trees, real = [], decode_module.verify
+    monkeypatch.setattr(decode_module, "verify", lambda target, cache, tree, *a: trees.append(tree)
+                        or real(target, cache, tree, *a))
+    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
+    for q in questions:
+        ids = chat_prompt(tiny_target.tokenizer, q)
+        ar = decode_module.decode(tiny_target, None, ids, "ar", max_new_tokens=40, stop_ids=stops)
+        trees.clear()
+        r = decode_module.decode(tiny_target, drafter, ids, method, budget, max_new_tokens=40, stop_ids=stops)
+        assert r.tokens == ar.tokens, q
+        for tree in trees:
+            assert bool(drafter.t2d[tree.tokens].all()) and bool(torch.isfinite(tree.log_probs).all())

@@ -14,6 +14,7 @@ from dflash_train.decoding.proposers import draft_hidden
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
 from dflash_train.model.target import target_forward
 from dflash_train.model.variants import dspark
+from helpers.draft_vocab_run import assert_lossless_in_draft_vocab
 from helpers.dspark import (B, dspark_config, our_block_logits, random_dspark,
                            speculators_block_logits)
 
@@ -435,21 +436,8 @@ def test_draft_vocabulary_chain_is_teacher_forcing_on_its_own_tokens(tiny_target
 @pytest.mark.parametrize("method, budget", [("dflash", 0), ("ddtree", 8), ("ddtree", 48)])
 def test_draft_vocabulary_decoding_is_lossless_and_stays_in_it(tiny_target, dspark_draft_vocab, monkeypatch,
                                                                 method, budget):
-    import dflash_train.decoding.decode as decode_module
-
     drafter = biased(load_drafter(dspark_draft_vocab[1] / "final")[0].eval())
-    trees, real = [], decode_module.verify
-    monkeypatch.setattr(decode_module, "verify", lambda target, cache, tree, *a: trees.append(tree)
-                        or real(target, cache, tree, *a))
-    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
-    for q in QUESTIONS[:3]:
-        ids = chat_prompt(tiny_target.tokenizer, q)
-        ar = decode(tiny_target, None, ids, "ar", max_new_tokens=40, stop_ids=stops)
-        trees.clear()
-        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=40, stop_ids=stops)
-        assert r.tokens == ar.tokens, q
-        for tree in trees:
-            assert bool(drafter.t2d[tree.tokens].all()) and bool(torch.isfinite(tree.log_probs).all())
+    assert_lossless_in_draft_vocab(tiny_target, drafter, method, budget, QUESTIONS[:3], monkeypatch)
 
 
 @torch.no_grad()

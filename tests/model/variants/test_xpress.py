@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import TINY_TARGET, chat_prompt, error_line, run_main
+from helpers.draft_vocab_run import assert_lossless_in_draft_vocab
 from helpers.marginals import next_two_marginals, random_target_and_drafter
 from dflash_train.checkpoint.folders import load_drafter
 from dflash_train.checkpoint.formats import speculators_config
@@ -447,24 +448,11 @@ def test_draft_vocabulary_run_keeps_the_vocabulary_and_lowers_the_loss(xpress_dr
 @pytest.mark.parametrize("method, budget", [("dflash", 0), ("ddtree", 8), ("ddtree", 48)])
 def test_draft_vocabulary_decoding_is_lossless_and_stays_in_it(tiny_target, xpress_draft_vocab, monkeypatch,
                                                                 method, budget):
-    import dflash_train.decoding.decode as decode_module
-
     drafter = load_drafter(xpress_draft_vocab[1] / "final")[0].eval()
     with torch.no_grad():  # a refiner bias of a few logits: it changes the drafts
         drafter.refiner_head.readout.weight.normal_(0, 1.0)
         drafter.refiner_head.mix_l.normal_(0, 0.5)
-    trees, real = [], decode_module.verify
-    monkeypatch.setattr(decode_module, "verify", lambda target, cache, tree, *a: trees.append(tree)
-                        or real(target, cache, tree, *a))
-    stops = stop_token_ids(tiny_target.model, tiny_target.tokenizer)
-    for q in QUESTIONS[:3]:
-        ids = chat_prompt(tiny_target.tokenizer, q)
-        ar = decode(tiny_target, None, ids, "ar", max_new_tokens=40, stop_ids=stops)
-        trees.clear()
-        r = decode(tiny_target, drafter, ids, method, budget, max_new_tokens=40, stop_ids=stops)
-        assert r.tokens == ar.tokens, q
-        for tree in trees:
-            assert bool(drafter.t2d[tree.tokens].all()) and bool(torch.isfinite(tree.log_probs).all())
+    assert_lossless_in_draft_vocab(tiny_target, drafter, method, budget, QUESTIONS[:3], monkeypatch)
 
 
 @torch.no_grad()

@@ -149,12 +149,15 @@ def _open_lock(path: Path, out: Path, flag: str) -> int:
     return fd
 
 
-def _is_our_lock(fd: int) -> bool:
-    """The file holds what our lock files hold (nothing, or a pid line) and has no other name (a hard
-    link to a user's file would be truncated through it): only such a file is written over."""
-    if os.fstat(fd).st_nlink != 1:
-        return False
-    return re.fullmatch(rb"(\d+\n)?", os.pread(fd, LOCK_MAX + 1, 0)) is not None
+def _not_our_lock(fd: int) -> str | None:
+    """Why the file is not a lock file of ours to write over, or None: ours hold nothing or a pid line and
+    have no other name (a hard link to a user's file would be truncated through it)."""
+    if re.fullmatch(rb"(\d+\n)?", os.pread(fd, LOCK_MAX + 1, 0)) is None:
+        return "is not a lock file of dflash-train (it holds something else)"
+    if os.fstat(fd).st_nlink != 1:  # ours in content, but a copy made with `cp -al` links it too
+        return ("has another name too (a hard link, as `cp -al` of a run folder makes), so dflash-train does "
+                "not write it")
+    return None
 
 
 def _take_lock(path: Path, out: Path, flag: str) -> int:
@@ -175,10 +178,10 @@ def _take_lock(path: Path, out: Path, flag: str) -> int:
         except FileNotFoundError:
             ours = False
         if ours:
-            if not _is_our_lock(fd):
+            why = _not_our_lock(fd)
+            if why:
                 os.close(fd)
-                raise _lock_error(path, out, flag, "is not a lock file of dflash-train (it holds something "
-                                                   "else, or has another name too)")
+                raise _lock_error(path, out, flag, why)
             try:
                 os.ftruncate(fd, 0)
                 os.write(fd, f"{os.getpid()}\n".encode())

@@ -320,6 +320,10 @@ def planted(tmp_path: Path, what: str) -> Path:
         lock.symlink_to(tmp_path / "made.txt")
     elif what == "hard link":
         os.link(precious, lock)
+    elif what == "linked copy of ours":  # `cp -al` of a run folder while it ran, or after a kill
+        (tmp_path / "copy").mkdir()
+        (tmp_path / "copy" / ".out.lock").write_text("12345\n")
+        os.link(tmp_path / "copy" / ".out.lock", lock)
     elif what == "folder":
         lock.mkdir()
         (lock / "inside.txt").write_text("kept")
@@ -332,7 +336,8 @@ def planted(tmp_path: Path, what: str) -> Path:
     ("link", "is a symbolic link, which dflash-train does not follow"),
     ("dangling link", "is a symbolic link, which dflash-train does not follow"),
     ("hard link", "is not a lock file of dflash-train"), ("folder", "is a folder"),
-    ("file", "is not a lock file of dflash-train")])
+    ("file", "is not a lock file of dflash-train"),
+    ("linked copy of ours", "has another name too (a hard link, as `cp -al` of a run folder makes)")])
 def test_a_lock_file_that_is_not_ours_is_refused_untouched(tmp_path, what, message):
     """A `.out.lock` that was a symlink to a user's file was opened through the link, truncated and
     given our pid; a folder there was a traceback. Now one line, and everything stays as it was."""

@@ -77,6 +77,10 @@ def write_marker(folder: Path, kind: str) -> None:
 def check_folder_path(out: Path, flag: str) -> None:
     """`out` can be a folder: it is not a file, and no file stands where one of its parents should be."""
     out = Path(out)
+    for p in [out.absolute(), *out.absolute().parents]:  # exists() is False through a loop or a dangling link
+        if os.path.islink(p) and not os.path.exists(p):
+            raise UserError(f"{flag} '{out}' cannot be created: '{p}' is a symbolic link that leads nowhere "
+                            "(to a missing path, or in a loop)")
     if out.exists() and not out.is_dir():
         raise UserError(f"{flag} '{out}' is a file, not a folder")
     for parent in out.absolute().parents:

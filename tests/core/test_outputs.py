@@ -52,6 +52,21 @@ def test_an_output_that_is_a_file_or_under_one_is_refused(tmp_path):
         require_free_output(f / "sub" / "out", False, "eval", [])
 
 
+@pytest.mark.parametrize("link", ["loop", "dangling"])
+def test_an_output_under_a_link_to_nowhere_is_refused(tmp_path, link):
+    """Path.exists() is False through a symlink loop or a dangling link, so the folder making walked past
+    it and mkdir raised FileExistsError (a traceback, from the lock)."""
+    a = tmp_path / "a"
+    a.symlink_to(tmp_path / ("a" if link == "loop" else "missing"))
+    for out in (a, a / "out", a / "sub" / "out"):
+        with pytest.raises(UserError, match=f"'{a}' is a symbolic link that leads nowhere"):
+            require_free_output(out, True, "eval", [])
+        with pytest.raises(UserError, match=f"'{a}' is a symbolic link that leads nowhere"):
+            with output_lock(out, "--output"):
+                pytest.fail("the lock was taken")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a"] and not (tmp_path / "missing").exists()
+
+
 @pytest.mark.parametrize("out, relation", [("d", "is"), ("d/inner", "is inside"), (".", "holds")])
 def test_an_output_that_overlaps_an_input_is_refused(tmp_path, out, relation, monkeypatch):
     (tmp_path / "d").mkdir()

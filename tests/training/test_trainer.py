@@ -141,6 +141,11 @@ def test_output_dir_overlapping_an_input_is_refused(finished_run, small_data, tm
     f.write_text("x")
     assert refused(quick(f, small_data), capsys) == f"error: output_dir '{f}' is a file, not a folder"
     assert f.read_text() == "x" and not inside.exists()
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    assert refused(quick(loop / "run", small_data), capsys) == (
+        f"error: output_dir '{loop / 'run'}' cannot be created: '{loop}' is a symbolic link that leads "
+        "nowhere (to a missing path, or in a loop)")
 
 
 def test_resume_messages_say_what_overwrite_deletes(finished_run, small_data, capsys):

@@ -78,12 +78,14 @@ fi
 if [ "$stage" = eval ]; then
   # T=0: the chain and DDTree at T0_BUDGETS for every arm; T=1: the chain and T1_BUDGETS for the arms in T1
   # (the committed card's budgets are 3,4,8,16,64 and 3,4,8: fewer here, four arms share two cores)
-  # SUITES: the prompt suites (fewer when CPU time is short); an arm stopped early (no summary.json) is
-  # evaluated at DRAFTER_<name> (a training checkpoint, e.g. runs/variants/dspark/checkpoints/step_001200)
+  # SUITES: the prompt suites (fewer when CPU time is short); TAG: the other suites of an arm evaluated
+  # before (eval-<arm>-t0-<TAG>, joined to its eval-<arm>-t0 by the table: SUITES="gsm8k humaneval" TAG=more);
+  # an arm stopped early (no summary.json) is evaluated at DRAFTER_<name> (a training checkpoint, e.g.
+  # runs/variants/dspark/checkpoints/step_001200)
   T0_BUDGETS=${T0_BUDGETS:-3,64}; T1_BUDGETS=${T1_BUDGETS:-3,8}; T1=${T1:-}
   SUITES=${SUITES:-"mtbench gsm8k humaneval"}
   evaluate() {  # name temperature budgets
-    local out=$OUT/eval-$1-t$2 drafter=DRAFTER_$1
+    local out=$OUT/eval-$1-t$2${TAG:+-$TAG} drafter=DRAFTER_$1
     [ -f $out/report.json ] && return
     $BIN/dflash-eval --drafter ${!drafter:-$OUT/$1/final} $(printf -- "--suite %s " $SUITES) --limit 8 \
       --max-new-tokens 128 --budgets $3 --temperature $2 --target-dtype fp32 --output $out --overwrite \

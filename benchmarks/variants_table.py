@@ -6,7 +6,8 @@ committed DFlash drafter's card.
 
 Per arm: its calibrated s/step (the train stage's, scaled to the first calibration's load), the steps it ran
 and their CPU minutes, training's held-out validation at its last step (chain EAL, DDTree@16 / @64), and its
-dflash-eval reports (`eval-<arm>-t0`, `eval-<arm>-t1`): per suite the chain's tau, DDTree's tau per budget,
+dflash-eval reports (`eval-<arm>-t0`, `eval-<arm>-t1`, each joined with its `-<tag>` continuations
+over other suites): per suite the chain's tau, DDTree's tau per budget,
 the fastest method's paired speedup over plain decoding with its 90% interval, and whether every output
 was the target's. The committed drafter's row reads its card's reports (checkpoints/smollm2-135m-dflash/
 eval_reports: report_0 at T=0, report_1 at T=1). Writes the raw rows (with each report's command, this commit
@@ -68,11 +69,30 @@ def suite_rows(report: dict) -> dict:
     return out
 
 
+def arm_reports(runs: Path, name: str, t: str) -> dict | None:
+    """The arm's report at temperature `t` ("t0", "t1"): `eval-<arm>-<t>` joined with the later evals of other
+    suites of the same drafter, `eval-<arm>-<t>-<tag>` (the eval stage's TAG). Same drafter, temperature
+    and budgets, no suite twice, or it stops."""
+    folders = [f for f in [runs / f"eval-{name}-{t}", *sorted(runs.glob(f"eval-{name}-{t}-*"))] if f.is_dir()]
+    reports = [r for r in map(read, (f / "report.json" for f in folders)) if r is not None]
+    if not reports:
+        return None
+    first, seen = reports[0], set()
+    for r in reports:
+        same = [r[k] == first[k] for k in ("drafter", "temperature", "budgets")]
+        assert all(same), f"{name} {t}: {r['command']} evaluated another drafter, temperature or budgets"
+        suites = {x["suite"] for x in r["results"]}
+        assert not suites & seen, f"{name} {t}: {sorted(suites & seen)} evaluated twice"
+        seen |= suites
+    return {**first, "command": [r["command"] for r in reports],
+            "results": [x for r in reports for x in r["results"]]}
+
+
 def arm_row(runs: Path, name: str) -> dict | None:
     """A finished arm (summary.json), or one stopped early whose training checkpoint was evaluated (its
     step from the evaluated folder's name, its validation from metrics.jsonl at that step)."""
     summary = read(runs / name / "summary.json")
-    reports = {t: read(runs / f"eval-{name}-{t}" / "report.json") for t in ("t0", "t1")}
+    reports = {t: arm_reports(runs, name, t) for t in ("t0", "t1")}
     if summary is not None:
         steps, val = summary["steps"], {k: summary["eval"][k] for k in ("eal", "ddtree_tau")}
     elif (runs / name / "metrics.jsonl").is_file():  # stopped early: the evaluated or last validated step

@@ -43,3 +43,33 @@ def test_the_committed_cards_reports_read_as_quoted():
     assert all(x["lossless"] is None for x in row["t1"]["suites"].values())  # T=1: not judged
     text = table.tables([row])
     assert "committed DFlash card" in text and "1.41 / 2.00 / 1.14x (DDTree@3, 1.11-1.26)" in text
+
+
+def report(runs, folder, suites, drafter="runs/variants/dflash/final", budgets=(3, 64)):
+    rows = [{"suite": s, "method": m, "budget": b, "tau": tau, "speedup": 1.0 + tau / 10,
+             "speedup_interval": [0.9, 1.1], "lossless": True, "tokens_per_s": 10.0}
+            for s in suites for m, b, tau in [("ar", 0, 1.0), ("dflash", 0, 1.5), ("ddtree", 3, 1.6),
+                                               ("ddtree", 64, 2.1)]]
+    (runs / folder).mkdir()
+    (runs / folder / "report.json").write_text(json.dumps(
+        {"command": f"dflash-eval {folder}", "drafter": drafter, "temperature": 0.0, "budgets": list(budgets),
+         "results": rows}))
+
+
+def test_an_arms_later_suites_join_its_report(tmp_path):
+    """MT-Bench was decoded one session and GSM8K / HumanEval the next (TAG=more): one row, both commands;
+    a continuation of another drafter or a suite decoded twice stops the table."""
+    report(tmp_path, "eval-dflash-t0", ["mtbench"])
+    report(tmp_path, "eval-dflash-t0-more", ["gsm8k", "humaneval"])
+    report(tmp_path, "eval-dflash2-t0", ["mtbench"], drafter="runs/variants/dflash2/final")  # not dflash's
+    joined = table.arm_reports(tmp_path, "dflash", "t0")
+    assert joined["command"] == ["dflash-eval eval-dflash-t0", "dflash-eval eval-dflash-t0-more"]
+    assert sorted(table.suite_rows(joined)) == sorted(table.SUITES)
+    assert table.arm_reports(tmp_path, "dflash", "t1") is None
+    report(tmp_path, "eval-dflash-t0-again", ["gsm8k"])
+    with pytest.raises(AssertionError, match="evaluated twice"):
+        table.arm_reports(tmp_path, "dflash", "t0")
+    report(tmp_path, "eval-xpress-t0", ["mtbench"], drafter="runs/variants/xpress/final")
+    report(tmp_path, "eval-xpress-t0-more", ["gsm8k"], drafter="runs/variants/xpress/checkpoints/step_000100")
+    with pytest.raises(AssertionError, match="another drafter"):
+        table.arm_reports(tmp_path, "xpress", "t0")

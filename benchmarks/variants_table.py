@@ -10,8 +10,9 @@ dflash-eval reports (`eval-<arm>-t0`, `eval-<arm>-t1`, each joined with its `-<t
 over other suites): per suite the chain's tau, DDTree's tau per budget,
 the fastest method's paired speedup over plain decoding with its 90% interval, and whether every output
 was the target's. The committed drafter's row reads its card's reports (checkpoints/smollm2-135m-dflash/
-eval_reports: report_0 at T=0, report_1 at T=1). Writes the raw rows (with each report's command, this commit
-and the machine) to --output and prints the markdown tables.
+eval_reports: report_0 at T=0, report_1 at T=1), and, when it was decoded again beside the arms
+(`eval-committed-t0`), a second row does: speedups compare only on one machine. Writes the raw rows (with
+each report's command, this commit and the machine) to --output and prints the markdown tables.
 """
 
 import argparse
@@ -26,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = ["dflash", "xpress", "dspark", "dflash2"]
 NAMES = {"dflash": "DFlash, continued (control)", "xpress": "XPress", "dspark": "DSpark (vanilla, conf.)",
-         "dflash2": "DFlash2 (full vocabulary)", "committed": "committed DFlash card (before)"}
+         "dflash2": "DFlash2 (full vocabulary)", "committed": "committed DFlash card (before)",
+         "committed-here": "committed DFlash drafter, re-measured here"}
 SUITES = ["mtbench", "gsm8k", "humaneval"]
 
 
@@ -125,6 +127,18 @@ def committed_row() -> dict:
     return row
 
 
+def committed_here_row(runs: Path) -> dict | None:
+    """The committed drafter decoded again beside the arms (`eval-committed-t0`, `-t1`): speedups are the
+    machine's (the card's were taken on another host), so this is the row the arms' speedups compare with."""
+    row = {"arm": "committed-here"}
+    for t in ("t0", "t1"):
+        rep = arm_reports(runs, "committed", t)
+        if rep is not None:
+            row[t] = {"command": rep["command"], "drafter": rep["drafter"], "budgets": rep["budgets"],
+                      "suites": suite_rows(rep), "results": rep["results"]}
+    return row if len(row) > 1 else None
+
+
 def fmt_best(s: dict) -> str:
     lo, hi = s["best_interval"]
     return f"{s['best_speedup']:.2f}x ({s['best']}, {lo:.2f}-{hi:.2f})"
@@ -174,7 +188,9 @@ def main() -> int:
     p.add_argument("--runs", default=str(ROOT / "runs" / "variants"))
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "variants_smollm2.json"))
     args = p.parse_args()
-    rows = [r for r in (arm_row(Path(args.runs), a) for a in ARMS) if r is not None] + [committed_row()]
+    here = committed_here_row(Path(args.runs))
+    rows = ([r for r in (arm_row(Path(args.runs), a) for a in ARMS) if r is not None] + [committed_row()]
+            + ([here] if here else []))
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     Path(args.output).write_text(json.dumps(

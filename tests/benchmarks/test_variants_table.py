@@ -73,3 +73,11 @@ def test_an_arms_later_suites_join_its_report(tmp_path):
     report(tmp_path, "eval-xpress-t0-more", ["gsm8k"], drafter="runs/variants/xpress/checkpoints/step_000100")
     with pytest.raises(AssertionError, match="another drafter"):
         table.arm_reports(tmp_path, "xpress", "t0")
+
+
+def test_the_committed_drafter_re_measured_here_is_its_own_row(tmp_path):
+    assert table.committed_here_row(tmp_path) is None
+    report(tmp_path, "eval-committed-t0", table.SUITES, drafter="checkpoints/smollm2-135m-dflash")
+    row = table.committed_here_row(tmp_path)
+    assert row["arm"] == "committed-here" and sorted(row["t0"]["suites"]) == sorted(table.SUITES)
+    assert "committed DFlash drafter, re-measured here" in table.tables([row])

@@ -63,10 +63,8 @@ if [ "$stage" = train ]; then
   CPU_MIN=${CPU_MIN:-60}
   for arm in $ARMS; do
     name=${arm%%:*}; recipe=${arm#*:}
-    sps=$(python3 -c "import json, os; f = lambda n: (lambda s: s['train_tokens'] / s['train_tokens_per_s'] \
-      / s['steps'])(json.load(open(f'$OUT/calib-{n}/summary.json'))); \
-      ref = os.path.exists('$OUT/calib-dflashref/summary.json') and '$name' not in ('dflash', 'xpress'); \
-      print(f('$name') * (f('dflash') / f('dflashref') if ref else 1))")
+    # its calibration here (scaled to the first one's load), else the s/step recorded in the results
+    sps=$($BIN/python benchmarks/variants_table.py --runs $OUT --s-per-step $name)
     steps=$(python3 -c "print(int($CPU_MIN * 60 / $sps))")
     echo "$name: $sps s/step -> $steps steps for $CPU_MIN CPU-min"
     # rerun to resume: the same command continues from the newest checkpoint

@@ -13,6 +13,13 @@ was the target's. The committed drafter's row reads its card's reports (checkpoi
 eval_reports: report_0 at T=0, report_1 at T=1), and, when it was decoded again beside the arms
 (`eval-committed-t0`), a second row does: speedups compare only on one machine. Writes the raw rows (with
 each report's command, this commit and the machine) to --output and prints the markdown tables.
+
+`--s-per-step ARM` prints the arm's s/step and nothing else (the train stage's step count): its calibration
+here, else the one recorded in --output (calibrated on an earlier machine, whose runs/ is gone).
+
+An arm whose run folder is gone (runs/ is not kept between machines; only git is) keeps its row from the
+--output written before, marked with the commit that measured it, so a rerun over a fresh runs/ adds rows
+and loses none; --fresh drops them.
 """
 
 import argparse
@@ -48,6 +55,14 @@ def s_per_step(runs: Path, name: str) -> float | None:
     if name not in ("dflash", "xpress") and raw("dflashref") is not None:
         return own * raw("dflash") / raw("dflashref")
     return own
+
+
+def recorded_s_per_step(runs: Path, name: str, previous: dict | None) -> float | None:
+    """The arm's calibration here, else its row's in the results written before."""
+    here = s_per_step(runs, name)
+    if here is not None or previous is None:
+        return here
+    return next((r.get("s_per_step") for r in previous["rows"] if r["arm"] == name), None)
 
 
 def suite_rows(report: dict) -> dict:
@@ -90,7 +105,7 @@ def arm_reports(runs: Path, name: str, t: str) -> dict | None:
             "results": [x for r in reports for x in r["results"]]}
 
 
-def arm_row(runs: Path, name: str) -> dict | None:
+def arm_row(runs: Path, name: str, previous: dict | None = None) -> dict | None:
     """A finished arm (summary.json), or one stopped early whose training checkpoint was evaluated (its
     step from the evaluated folder's name, its validation from metrics.jsonl at that step)."""
     summary = read(runs / name / "summary.json")
@@ -108,7 +123,7 @@ def arm_row(runs: Path, name: str) -> dict | None:
         val = {"eal": r["val_eal"], "ddtree_tau": r["val_ddtree_tau"]}
     else:
         return None
-    sps = s_per_step(runs, name)
+    sps = recorded_s_per_step(runs, name, previous)
     row = {"arm": name, "s_per_step": sps, "steps": steps, "stopped_early": summary is None,
            "cpu_min": None if sps is None else sps * steps / 60, "val": val}
     for t, rep in reports.items():
@@ -139,9 +154,26 @@ def committed_here_row(runs: Path) -> dict | None:
     return row if len(row) > 1 else None
 
 
+def merge_kept(rows: list[dict], previous: dict | None) -> list[dict]:
+    """`rows` measured now, plus the rows of `previous` (the --output written before) for arms measured now
+    no longer, each with the commit that measured it ("measured_at"), in ARMS order."""
+    if previous is None:
+        return rows
+    now = {r["arm"] for r in rows}
+    kept = [{**r, "measured_at": r.get("measured_at", previous["commit"])}
+            for r in previous["rows"] if r["arm"] not in now]
+    order = [*ARMS, "committed", "committed-here"]
+    return sorted(rows + kept, key=lambda r: order.index(r["arm"]))
+
+
 def fmt_best(s: dict) -> str:
     lo, hi = s["best_interval"]
     return f"{s['best_speedup']:.2f}x ({s['best']}, {lo:.2f}-{hi:.2f})"
+
+
+def label(r: dict) -> str:
+    return (NAMES[r["arm"]] + (" (stopped early)" if r.get("stopped_early") else "")
+            + (f" (measured at {r['measured_at'][:7]})" if "measured_at" in r else ""))
 
 
 def tables(rows: list[dict]) -> str:
@@ -149,10 +181,10 @@ def tables(rows: list[dict]) -> str:
              " | ".join(f"{s} chain tau / DDTree@64 / best T=0 speedup" for s in SUITES) + " | lossless |",
              "|---" * (5 + len(SUITES)) + "|"]
     for r in rows:
-        name = NAMES[r["arm"]] + (" (stopped early)" if r.get("stopped_early") else "")
+        name = label(r)
         head = (f"| {name} | {r['s_per_step']:.2f} | {r['steps']} ({r['cpu_min']:.0f}) | "
                 f"{r['val']['eal']:.2f} / {r['val']['ddtree_tau'].get('64', float('nan')):.2f} | "
-                if "steps" in r else f"| {NAMES[r['arm']]} | | | | ")
+                if "steps" in r else f"| {label(r)} | | | | ")
         cells, lossless = [], True
         for s in SUITES:
             x = (r.get("t0") or {}).get("suites", {}).get(s)
@@ -170,7 +202,7 @@ def tables(rows: list[dict]) -> str:
         if "t1" not in r:
             continue
         cells = [f"{x['chain_tau']:.2f} / {fmt_best(x)}" for x in (r["t1"]["suites"][s] for s in SUITES)]
-        lines.append(f"| {NAMES[r['arm']]} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -187,10 +219,22 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", default=str(ROOT / "runs" / "variants"))
     p.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "variants_smollm2.json"))
+    p.add_argument("--fresh", action="store_true", help="drop the rows of arms whose run folder is gone")
+    p.add_argument("--s-per-step", metavar="ARM", help="print the arm's s/step and stop")
     args = p.parse_args()
-    here = committed_here_row(Path(args.runs))
-    rows = ([r for r in (arm_row(Path(args.runs), a) for a in ARMS) if r is not None] + [committed_row()]
+    runs, previous = Path(args.runs), None if args.fresh else read(Path(args.output))
+    if args.s_per_step:
+        sps = recorded_s_per_step(runs, args.s_per_step, previous)
+        if sps is None:
+            print(f"{args.s_per_step}: not calibrated (no {runs}/calib-{args.s_per_step}, no row in "
+                  f"{args.output}): run the calibrate stage", file=sys.stderr)
+            return 2
+        print(sps)
+        return 0
+    here = committed_here_row(runs)
+    rows = ([r for r in (arm_row(runs, a, previous) for a in ARMS) if r is not None] + [committed_row()]
             + ([here] if here else []))
+    rows = merge_kept(rows, previous)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     Path(args.output).write_text(json.dumps(

@@ -81,3 +81,31 @@ def test_the_committed_drafter_re_measured_here_is_its_own_row(tmp_path):
     row = table.committed_here_row(tmp_path)
     assert row["arm"] == "committed-here" and sorted(row["t0"]["suites"]) == sorted(table.SUITES)
     assert "committed DFlash drafter, re-measured here" in table.tables([row])
+
+
+def test_rows_of_runs_gone_are_kept_with_the_commit_that_measured_them(tmp_path):
+    """runs/ does not outlive a machine: a table written over a fresh runs/ keeps the earlier rows of the arms
+    it no longer finds, marked, and replaces those measured again."""
+    report(tmp_path, "eval-committed-t0", table.SUITES, drafter="checkpoints/smollm2-135m-dflash")
+    now = [table.committed_here_row(tmp_path)]
+    previous = {"commit": "abc1234" + "0" * 33,
+                "rows": [{"arm": "committed-here", "t0": {}}, {"arm": "xpress", "steps": 610},
+                         {"arm": "dflash", "steps": 2483, "measured_at": "fed9876" + "0" * 33}]}
+    rows = table.merge_kept(now, previous)
+    assert [r["arm"] for r in rows] == ["dflash", "xpress", "committed-here"]
+    assert rows[2] is now[0] and "measured_at" not in rows[2]  # measured again: the new row
+    assert rows[1] == {"arm": "xpress", "steps": 610, "measured_at": previous["commit"]}
+    assert rows[0]["measured_at"].startswith("fed9876")  # kept twice: still its first measurement's
+    assert table.label(rows[1]) == "XPress (measured at abc1234)"
+    assert table.merge_kept(now, None) == now
+
+
+def test_an_arm_calibrated_on_an_earlier_machine_keeps_its_recorded_s_per_step(tmp_path):
+    """The train stage's step count: the calibration here wins; without one, the s/step the results recorded;
+    without either, none (the stage stops and says to calibrate)."""
+    previous = {"commit": "0" * 40, "rows": [{"arm": "dflash2", "s_per_step": 3.159}, {"arm": "dflash"}]}
+    assert table.recorded_s_per_step(tmp_path, "dflash2", previous) == 3.159
+    assert table.recorded_s_per_step(tmp_path, "dflash2", None) is None
+    assert table.recorded_s_per_step(tmp_path, "xpress", previous) is None
+    calibration(tmp_path, "dflash2", 20, 60.0)
+    assert table.recorded_s_per_step(tmp_path, "dflash2", previous) == pytest.approx(3.0)

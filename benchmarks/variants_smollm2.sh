@@ -22,10 +22,11 @@ stage=${1:-data}
 
 if [ "$stage" = data ]; then
   [ -d $R/smollm2-135m-instruct ] || make real-target
+  # rows 1,280-2,999 exactly: the corpus grows, and every arm must see the rows the recorded ones saw
   if [ ! -f $R/corpus-new.jsonl ]; then
     python3 -c "import gzip; r = gzip.open('data/smollm2-135m-corpus/conversations.jsonl.gz', 'rt').read().splitlines(); \
       open('$R/corpus-first1280.jsonl', 'w').write('\n'.join(r[:1280]) + '\n'); \
-      open('$R/corpus-new.jsonl', 'w').write('\n'.join(r[1280:]) + '\n')"
+      open('$R/corpus-new.jsonl', 'w').write('\n'.join(r[1280:3000]) + '\n')"
   fi
   [ -f $R/corpus-prepared/prepare_info.json ] || $BIN/dflash-prepare --input $R/corpus-first1280.jsonl \
     --format messages --target $R/smollm2-135m-instruct --output $R/corpus-prepared --max-length 512 --val-size 32

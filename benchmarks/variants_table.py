@@ -105,6 +105,13 @@ def arm_reports(runs: Path, name: str, t: str) -> dict | None:
             "results": [x for r in reports for x in r["results"]]}
 
 
+def decoded(rep: dict) -> dict:
+    """A row's cell for one (joined) dflash-eval report: its commands, drafter, budgets, per-suite summary and
+    every raw result."""
+    return {"command": rep["command"], "drafter": rep["drafter"], "budgets": rep["budgets"],
+            "suites": suite_rows(rep), "results": rep["results"]}
+
+
 def arm_row(runs: Path, name: str, previous: dict | None = None) -> dict | None:
     """A finished arm (summary.json), or one stopped early whose training checkpoint was evaluated (its
     step from the evaluated folder's name, its validation from metrics.jsonl at that step)."""
@@ -128,8 +135,7 @@ def arm_row(runs: Path, name: str, previous: dict | None = None) -> dict | None:
            "cpu_min": None if sps is None else sps * steps / 60, "val": val}
     for t, rep in reports.items():
         if rep is not None:
-            row[t] = {"command": rep["command"], "drafter": rep["drafter"], "budgets": rep["budgets"],
-                      "suites": suite_rows(rep), "results": rep["results"]}
+            row[t] = decoded(rep)
     return row
 
 
@@ -149,8 +155,7 @@ def committed_here_row(runs: Path) -> dict | None:
     for t in ("t0", "t1"):
         rep = arm_reports(runs, "committed", t)
         if rep is not None:
-            row[t] = {"command": rep["command"], "drafter": rep["drafter"], "budgets": rep["budgets"],
-                      "suites": suite_rows(rep), "results": rep["results"]}
+            row[t] = decoded(rep)
     return row if len(row) > 1 else None
 
 
@@ -181,8 +186,7 @@ def tables(rows: list[dict]) -> str:
              " | ".join(f"{s} chain tau / DDTree@64 / best T=0 speedup" for s in SUITES) + " | lossless |",
              "|---" * (5 + len(SUITES)) + "|"]
     for r in rows:
-        name = label(r)
-        head = (f"| {name} | {r['s_per_step']:.2f} | {r['steps']} ({r['cpu_min']:.0f}) | "
+        head = (f"| {label(r)} | {r['s_per_step']:.2f} | {r['steps']} ({r['cpu_min']:.0f}) | "
                 f"{r['val']['eal']:.2f} / {r['val']['ddtree_tau'].get('64', float('nan')):.2f} | "
                 if "steps" in r else f"| {label(r)} | | | | ")
         cells, lossless = [], True
